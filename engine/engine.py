@@ -1,0 +1,248 @@
+"""Engine: add_request, step, abort — the only loop. Also the prefill/decode seam.
+
+    step():  schedule -> run model + sample -> append tokens, detokenize, check stops
+
+Roles (EngineConfig.role):
+  both     whole requests.
+  prefill  a request stops after its first token; its KV blocks stay held and are
+           described by RequestOutput.kv until `release(request_id)`.
+  decode   as `both`, plus requests whose prompt KV was written from outside:
+           `reserve()` blocks, write them through `cache`, then `add_prefilled_request()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from engine.kv_cache import KVCacheManager
+from engine.model import LlamaModel
+from engine.outputs import Completion, KVHandoff, RequestOutput
+from engine.paged_cache import PagedKVCache
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+from engine.weights import load_checkpoint
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.cache = PagedKVCache(model.config, config.num_blocks, config.block_size, model.dtype)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, self.kv)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []
+        self._handoffs: set[str] = set()
+        self._reserved: set[str] = set()
+        self._arrivals = itertools.count()
+        eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
+        self._eos_ids: frozenset[int] = frozenset(eos)
+
+    @classmethod
+    def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Load a GGUF file or HF directory with its tokenizer."""
+        config = config or EngineConfig()
+        model_config, weights = load_checkpoint(path)
+        model = LlamaModel(model_config, weights, config.torch_dtype)
+        return cls(model, Tokenizer.load(path), config)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
+        """Validate and queue a request. Raises InvalidRequestError (or PromptTooLongError)."""
+        req = self._new_request(request_id, prompt, params)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if the id is unknown."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+            self._detok.pop(request_id, None)
+            return True
+        return self.release(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Free a prefill hand-off or a reservation that was never admitted."""
+        if request_id in self._handoffs or request_id in self._reserved:
+            self._handoffs.discard(request_id)
+            self._reserved.discard(request_id)
+            self.kv.free(request_id)
+            return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # ---- decode side of the P/D seam ------------------------------------------------------
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Claim blocks for `num_tokens` tokens of KV to be written from outside.
+
+        Raises NoFreeBlocksError, DuplicateRequestError, PromptTooLongError."""
+        self._check_new_id(request_id)
+        if num_tokens + 1 > self.max_model_len:
+            raise PromptTooLongError(f"{num_tokens} tokens do not fit max_model_len {self.max_model_len}", "prompt")
+        blocks = self.kv.reserve(request_id, num_tokens)
+        self._reserved.add(request_id)
+        return blocks
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
+    ) -> None:
+        """Admit a request whose prompt KV already sits in its reserved blocks.
+
+        The first token (sampled by the prefill side) is emitted by the next step()."""
+        if request_id not in self._reserved:
+            raise InvalidRequestError(f"no reservation for request {request_id!r}", "request_id")
+        reserved = len(self.kv.block_table(request_id)) * self.config.block_size
+        if len(prompt_token_ids) > reserved:
+            raise InvalidRequestError(f"{len(prompt_token_ids)} prompt tokens exceed the reservation", "prompt")
+        self._reserved.discard(request_id)
+        try:
+            req = self._new_request(request_id, prompt_token_ids, params)
+        except Exception:
+            self.kv.free(request_id)
+            raise
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.scheduler.add(req)
+        self._pending.append(self._append_token(req, first_token_id, None))
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return every request with new tokens or a finish."""
+        results, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if out.num_tokens:
+            sampled = self.runner.execute(out)
+            self.scheduler.advance(out)
+            done = [c for c in out.chunks if c.completes]
+            for c, tok, lp in zip(done, sampled.token_ids, sampled.logprobs, strict=True):
+                results.append(self._append_token(c.request, tok, lp))
+        return results
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """Run prompts to completion offline; results in prompt order.
+
+        Other requests already in the engine keep running, but their outputs are dropped."""
+        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
+        results = {i: Completion(i, [], [], "", None) for i in ids}
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+            results[rid].prompt_token_ids = list(self.scheduler.requests[rid].prompt_token_ids)
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id not in results:
+                    continue
+                r = results[o.request_id]
+                r.token_ids += o.new_token_ids
+                r.text += o.new_text
+                r.logprobs += o.logprobs
+                r.finish_reason = o.finish_reason
+                r.num_cached_tokens = max(r.num_cached_tokens, o.num_cached_tokens)
+        return [results[i] for i in ids]
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the scheduler, block tables and hand-offs disagree."""
+        self.scheduler.check_integrity()
+        holders = sum(self.kv.has_request(r) for r in self.scheduler.requests)
+        expected = holders + len(self._handoffs) + len(self._reserved)
+        assert self.kv.num_requests == expected, f"{self.kv.num_requests} block tables, {expected} owners"
+        assert set(self._detok) <= set(self.scheduler.requests), "detokenizer state for a finished request"
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests or request_id in self._handoffs or request_id in self._reserved:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use", "request_id")
+
+    def _new_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", "params")
+        if request_id not in self._reserved:
+            self._check_new_id(request_id)
+        vocab = self.model.config.vocab_size
+        params.validate_for_vocab(vocab)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; pass token ids", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens", "prompt"
+            )
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
+                "max_tokens",
+            )
+        if -(-(len(ids) + 1) // self.config.block_size) > self.config.num_blocks:
+            raise PromptTooLongError(f"the prompt ({len(ids)} tokens) does not fit the KV cache", "prompt")
+        req = Request(request_id, ids, params, next(self._arrivals))
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens
+            )
+        return req
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        req.token_ids.append(token)
+        p = req.params
+        detok = self._detok.get(req.request_id)
+        text = ""
+        reason: str | None = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos_ids):
+            reason = "stop"
+        elif detok is not None:
+            text = detok.step([token])
+            if detok.stop_hit is not None:
+                reason = "stop"
+        if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        handoff = None
+        if reason is None and self.config.role == "prefill":
+            reason = "prefill_done"
+            handoff = KVHandoff(self.kv.block_table(req.request_id), req.num_prompt_tokens)
+        if reason is not None:
+            if detok is not None and detok.stop_hit is None:
+                text += detok.flush()
+            self._detok.pop(req.request_id, None)
+            self.scheduler.finish(req, reason, free_blocks=handoff is None)
+            if handoff is not None:
+                self._handoffs.add(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=[logprob] if logprob is not None else [],
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            kv=handoff,
+        )

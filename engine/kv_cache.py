@@ -1,0 +1,316 @@
+"""Paged KV-cache bookkeeping: physical blocks, per-request block tables, prefix caching.
+
+The KV cache is cut into `num_blocks` fixed-size blocks of `block_size` token slots.
+A request's block table maps logical block i -> physical block id, so token t lives
+in block `block_table[t // block_size]` at offset `t % block_size`:
+
+    block_size = 4, block_table = [7, 2, 5]
+
+    token t:     0  1  2  3 | 4  5  6  7 | 8  9
+    logical:     [    0    ] [    1    ] [  2 ..
+    physical:    [ block 7 ] [ block 2 ] [ block 5: slots 8, 9 used, 2 free ]
+
+Every full block gets a hash chained over the whole prefix, so equal hashes mean
+equal prefixes (not just equal blocks):
+
+    h_0 = xxh64(                 int32le(tokens[0:B]))
+    h_i = xxh64(uint64le(h_{i-1}) + int32le(tokens[i*B:(i+1)*B]))
+
+    [ block 0 ] -> [ block 1 ] -> [ block 2 ]      B = block_size
+        h_0  ------>  h_1  ------>  h_2
+
+Blocks with ref count 0 sit in an LRU free queue; they keep their hash until
+allocation pops them from the head, so a later request can revive them:
+
+    free queue:  head (evicted first) [ 4, 9, 1, 0 ] tail (freed last)
+
+Nothing here touches torch: it is ints, lists and dicts, testable on any CPU.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+from engine.errors import NoFreeBlocksError, UnknownRequestError
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: xxh64 of the parent hash bytes plus the tokens as int32le."""
+    prefix = b"" if parent_hash is None else struct.pack("<Q", parent_hash)
+    data = prefix + struct.pack(f"<{len(token_ids)}i", *token_ids)
+    return int(xxhash.xxh64_intdigest(data))
+
+
+class BlockPool:
+    """Owns the physical blocks: ref counts, the LRU free queue and the hash <-> block maps."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refs = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._block_to_hash: dict[int, int] = {}
+        self._stored: list[int] = []
+        self._evicted: list[int] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def free_queue(self) -> list[int]:
+        """The free block ids in eviction order (head first)."""
+        return list(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Pop `n` blocks from the free-queue head, each with ref count 1.
+
+        Evicts any cached hash the popped blocks carry (recording an "evicted" event).
+        Raises NoFreeBlocksError, allocating nothing, if fewer than `n` blocks are free.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"need {n} blocks but only {len(self._free)} of {self.num_blocks} are free")
+        block_ids = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block_hash = self._block_to_hash.pop(block_id, None)
+            if block_hash is not None:
+                del self._hash_to_block[block_hash]
+                self._evicted.append(block_hash)
+            self._refs[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Decrement ref counts in order; blocks reaching 0 join the free-queue tail, keeping their hash.
+
+        Raises ValueError, changing nothing, if a block would drop below 0 (a double free).
+        """
+        block_ids = list(block_ids)
+        for block_id, count in Counter(block_ids).items():
+            if count > self._refs[block_id]:
+                raise ValueError(f"double free of block {block_id} (ref count {self._refs[block_id]})")
+        for block_id in block_ids:
+            self._refs[block_id] -= 1
+            if self._refs[block_id] == 0:
+                self._free[block_id] = None
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Increment ref counts (a prefix hit), taking blocks at ref 0 out of the free queue."""
+        for block_id in block_ids:
+            if self._refs[block_id] == 0:
+                del self._free[block_id]
+            self._refs[block_id] += 1
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Map `block_hash` to `block_id`, recording a "stored" event.
+
+        No-op when prefix caching is off, when the block already holds this hash, or when the
+        hash already maps to another block (the first mapping wins; this block stays uncached).
+        Raises ValueError if the block already holds a different hash.
+        """
+        if not self.enable_prefix_caching:
+            return
+        current = self._block_to_hash.get(block_id)
+        if current is not None:
+            if current != block_hash:
+                raise ValueError(f"block {block_id} already cached under hash {current:#x}, not {block_hash:#x}")
+            return
+        if block_hash in self._hash_to_block:
+            return
+        self._hash_to_block[block_hash] = block_id
+        self._block_to_hash[block_id] = block_hash
+        self._stored.append(block_hash)
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block cached under `block_hash`, or None."""
+        return self._hash_to_block.get(block_hash)
+
+    def pop_events(self) -> tuple[list[int], list[int]]:
+        """Return and clear the (stored, evicted) hashes recorded since the last call."""
+        stored, evicted = self._stored, self._evicted
+        self._stored, self._evicted = [], []
+        return stored, evicted
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless ref counts, the free queue and the hash maps agree."""
+        for block_id, ref in enumerate(self._refs):
+            assert ref >= 0, f"block {block_id} has negative ref count {ref}"
+            in_free = block_id in self._free
+            assert in_free == (ref == 0), f"block {block_id}: ref count {ref} but in free queue = {in_free}"
+        assert len(self._free) == len(set(self._free)), "duplicate ids in the free queue"
+        assert all(0 <= b < self.num_blocks for b in self._free), "free queue holds an out-of-range block id"
+        assert len(self._hash_to_block) == len(self._block_to_hash), "hash maps differ in size"
+        for block_hash, block_id in self._hash_to_block.items():
+            assert self._block_to_hash.get(block_id) == block_hash, f"hash {block_hash:#x} -> {block_id} not inverse"
+
+
+class KVCacheManager:
+    """Owns per-request block tables (and their prefix hashes) on top of a BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks with ref count > 0."""
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._tables)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table. Raises UnknownRequestError."""
+        return list(self._table(request_id))
+
+    def block_hashes(self, request_id: str) -> list[int]:
+        """A copy of the hashes computed so far for the request's full blocks. Raises UnknownRequestError."""
+        self._table(request_id)
+        return list(self._hashes[request_id])
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Start the request's table with its longest cached prefix; return the cached token count.
+
+        Only full blocks of `token_ids[:-1]` are looked up, so at least one token is left to
+        compute. Hit blocks are touched (ref + 1). Returns 0 when prefix caching is off.
+        Raises ValueError if the request already holds blocks.
+        """
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        num_full = max(len(token_ids) - 1, 0) // bs
+        hits: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(num_full):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            hashes.append(parent)
+        self.pool.touch(hits)
+        self._tables[request_id] = hits
+        self._hashes[request_id] = hashes
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += len(hits) * bs
+        return len(hits) * bs
+
+    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the request's table (creating it if new) to cover `num_tokens` slots in total.
+
+        Returns False, allocating nothing and creating no table, if too few blocks are free.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        table = self._tables.get(request_id, [])
+        needed = -(-num_tokens // self.block_size) - len(table)
+        if needed > self.pool.num_free_blocks:
+            return False
+        if needed > 0:
+            table.extend(self.pool.allocate(needed))
+        self._tables.setdefault(request_id, table)
+        self._hashes.setdefault(request_id, [])
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Hash and register each full block within the first `num_computed_tokens` not yet hashed.
+
+        `token_ids` is the request's full token list. No-op when prefix caching is off.
+        Raises UnknownRequestError, or ValueError if the tokens are not covered by the table.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._table(request_id)
+        hashes = self._hashes[request_id]
+        if num_computed_tokens > len(token_ids) or num_computed_tokens > len(table) * self.block_size:
+            raise ValueError(
+                f"request {request_id!r}: {num_computed_tokens} computed tokens exceed its "
+                f"{len(token_ids)} tokens or {len(table)} blocks"
+            )
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_computed_tokens // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(table[i], parent)
+            hashes.append(parent)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Allocate a fresh table (no prefix lookup) covering `num_tokens`; return its block ids.
+
+        For the decode side of disaggregated serving. Raises NoFreeBlocksError if the blocks
+        are not free, or ValueError if the request already holds blocks.
+        """
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        table = self.pool.allocate(-(-num_tokens // self.block_size))
+        self._tables[request_id] = table
+        self._hashes[request_id] = []
+        return list(table)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks in reverse table order, so tail blocks are evicted first.
+
+        No-op for an unknown request id.
+        """
+        table = self._tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        if table is not None:
+            self.pool.free(reversed(table))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the pool is consistent and ref counts equal table references."""
+        self.pool.check_integrity()
+        assert self._tables.keys() == self._hashes.keys(), "block tables and hash lists track different requests"
+        refs: Counter[int] = Counter()
+        for request_id, table in self._tables.items():
+            refs.update(table)
+            assert len(self._hashes[request_id]) <= len(table), (
+                f"request {request_id!r} hashes more blocks than it holds"
+            )
+        for block_id in range(self.num_blocks):
+            ref = self.pool.ref_count(block_id)
+            assert refs[block_id] == ref, f"block {block_id}: {refs[block_id]} table references but ref count {ref}"
+        in_free = set(self.pool.free_queue()) & refs.keys()
+        assert not in_free, f"block tables reference free blocks {sorted(in_free)}"
+
+    def _table(self, request_id: str) -> list[int]:
+        table = self._tables.get(request_id)
+        if table is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        return table

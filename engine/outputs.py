@@ -1,0 +1,46 @@
+"""What the engine hands back: one RequestOutput per request per step with news."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import TokenLogprob
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A prefill-role request's KV, held in `block_ids` until `Engine.release(request_id)`.
+
+    The blocks hold the KV of the first `num_tokens` tokens (the prompt); the first
+    generated token's KV is not computed yet.
+    """
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefill_done"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv: KVHandoff | None = None
+
+
+@dataclass
+class Completion:
+    """The whole result of one offline request (Engine.generate)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0

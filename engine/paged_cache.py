@@ -1,0 +1,69 @@
+"""The paged KV cache tensor: where every layer's keys and values live.
+
+One tensor holds the whole cache (KV transfer ships slices of it):
+
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+              |      |      |           |
+              |      |      |           +-- token slot within the block
+              |      |      +-- physical block id (from KVCacheManager's block tables)
+              |      +-- 0 = keys (after RoPE), 1 = values
+              +-- decoder layer
+
+    block b of layer l:  kv[l, :, b]            -> [2, block_size, kv_heads, head_dim]
+    token t of request:  block = table[t // block_size], slot = t % block_size
+    flat slot index:     block * block_size + slot   (the "slot mapping" the model writes by)
+
+A block is contiguous per (layer, k|v): block_size * kv_heads * head_dim elements, so
+one (layer, block) pair is 2 such runs. Bookkeeping (which block belongs to whom) lives
+in engine.kv_cache and never touches this tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class PagedKVCache:
+    """Owns the KV tensor; reads and writes whole blocks for KV transfer."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        self.num_layers = model.num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.dtype = dtype
+        self.kv = torch.zeros(
+            model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype=dtype
+        )
+        # flat views per layer: [num_blocks * block_size, kv_heads, head_dim]
+        self.k_flat = [self.kv[i, 0].view(-1, self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
+        self.v_flat = [self.kv[i, 1].view(-1, self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of one layer's keys (or values)."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, keys and values."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    def read_blocks(self, block_ids: Sequence[int], layers: slice = slice(None)) -> torch.Tensor:
+        """A copy of the given blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        return self.kv[layers].index_select(2, idx)
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor, layers: slice = slice(None)) -> None:
+        """Write `data` ([layers, 2, len(block_ids), block_size, kv_heads, head_dim]) into the given blocks."""
+        view = self.kv[layers]
+        expected = (view.shape[0], 2, len(block_ids), *self.block_shape)
+        if tuple(data.shape) != expected or data.dtype != self.dtype:
+            raise ValueError(f"KV data {tuple(data.shape)}/{data.dtype} does not match {expected}/{self.dtype}")
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        view.index_copy_(2, idx, data)

@@ -1,0 +1,59 @@
+"""Per-request sampling parameters, validated where they enter the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    temperature == 0 means greedy. top_k == 0 means no top-k cut. A `seed` makes the
+    request's samples reproducible whatever else shares its batch, and identical whether
+    the request runs on one engine or is split across a prefill and a decode engine:
+    the random stream of output token i depends only on (seed, i).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError if a stop token id is not in the vocabulary."""
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"unknown stop token id {t!r} (vocab size {vocab_size})", "stop_token_ids")

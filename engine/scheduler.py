@@ -1,0 +1,159 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends a token budget: first on running requests (a decode costs one token,
+an unfinished prefill the rest of its prompt, cut to the budget), then on waiting
+requests in (priority, arrival) order. When blocks run out, the running request that
+would run last is preempted: its blocks are freed and it goes back to waiting, to be
+recomputed from its tokens later (its prefix may still be cached).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `request`, from position `start`, run this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the request's last token, so its logits are sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the model runs in one step. Single-token chunks (decodes) come first."""
+
+    decodes: list[ScheduledChunk]
+    prefills: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_new_tokens for c in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int], Request]] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting)
+
+    def add(self, req: Request) -> None:
+        """Queue a request. If the KV manager already holds blocks for it (KV written from
+        outside), they are used as they are and no prefix lookup is made."""
+        self.requests[req.request_id] = req
+        heapq.heappush(self._waiting, (req.sort_key, req))
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        while self._waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self._waiting[0][1]
+            external_kv = self.kv.has_request(req.request_id)
+            if not external_kv:
+                req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.token_ids)
+                req.num_cached_tokens = req.num_computed_tokens
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                if not external_kv:
+                    self.kv.free(req.request_id)  # give back prefix hits; look up again next time
+                    req.num_computed_tokens = req.num_cached_tokens = 0
+                break
+            heapq.heappop(self._waiting)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return SchedulerOutput(
+            decodes=[c for c in chunks if c.num_new_tokens == 1],
+            prefills=[c for c in chunks if c.num_new_tokens > 1],
+            preempted=preempted,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (req.sort_key, req))
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Record that every scheduled chunk's KV has been computed, and cache full blocks."""
+        for c in out.chunks:
+            c.request.num_computed_tokens = c.end
+            self.kv.cache_full_blocks(c.request.request_id, c.request.token_ids, c.end)
+
+    def finish(self, req: Request, reason: str, free_blocks: bool = True) -> None:
+        """Remove a request wherever it is. With free_blocks=False its blocks stay held
+        (a prefill hand-off) until the caller frees them through the KV manager."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self._waiting = [(k, r) for k, r in self._waiting if r is not req]
+            heapq.heapify(self._waiting)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+        if free_blocks:
+            self.kv.free(req.request_id)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if queues, statuses and block tables disagree."""
+        self.kv.check_integrity()
+        waiting = [r for _, r in self._waiting]
+        ids = [r.request_id for r in self.running + waiting]
+        assert len(ids) == len(set(ids)), f"request in two queues: {ids}"
+        assert set(ids) == set(self.requests), "request map out of sync with queues"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, f"{r.request_id} in running with status {r.status}"
+            assert self.kv.has_request(r.request_id), f"running {r.request_id} holds no blocks"
+        for r in waiting:
+            assert r.status is RequestStatus.WAITING, f"{r.request_id} waiting with status {r.status}"
+        assert len(self.running) <= self.max_num_seqs

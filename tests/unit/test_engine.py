@@ -1,0 +1,188 @@
+"""Engine paths on a tiny random model: batching, chunking, prefix cache, preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.engine import Engine
+from engine.model import LlamaModel
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from tests.unit.tiny import make_engine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(128) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def run_all(engine: Engine, new: dict[int, list[tuple[str, list[int]]]] | None = None) -> dict[str, list[int]]:
+    """Step until idle, adding requests at the steps given, checking integrity every step."""
+    out: dict[str, list[int]] = {}
+    step = 0
+    new = new or {}
+    while engine.has_unfinished() or any(s >= step for s in new):
+        for rid, p in new.get(step, []):
+            engine.add_request(rid, p, GREEDY)
+        results: list[RequestOutput] = engine.step()
+        for r in results:
+            out.setdefault(r.request_id, []).extend(r.new_token_ids)
+        engine.check_integrity()
+        step += 1
+    return out
+
+
+def alone(model: LlamaModel, p: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    e = make_engine(model, num_blocks=64)
+    return e.generate([p], params)[0].token_ids
+
+
+def assert_all_free(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == engine.config.num_blocks
+    assert engine.kv.num_requests == 0
+
+
+def test_batched_equals_alone(tiny_model: LlamaModel) -> None:
+    ps = prompts(16)
+    e = make_engine(tiny_model, num_blocks=256, max_num_batched_tokens=64)
+    arrivals: dict[int, list[tuple[str, list[int]]]] = {}
+    for i, p in enumerate(ps):
+        arrivals.setdefault(i // 2 * 3, []).append((f"r{i}", p))
+    got = run_all(e, arrivals)
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == alone(tiny_model, p), f"request {i} differs in a batch"
+    assert_all_free(e)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model: LlamaModel) -> None:
+    p = prompts(1, seed=5)[0] + prompts(1, seed=6)[0] + list(range(30))
+    chunked = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=7)
+    assert chunked.generate([p], GREEDY)[0].token_ids == alone(tiny_model, p)
+    assert_all_free(chunked)
+
+
+def test_prefix_cache_hit_equals_miss(tiny_model: LlamaModel) -> None:
+    shared = list(range(1, 30))
+    e = make_engine(tiny_model, num_blocks=64)
+    first = e.generate([shared + [5, 6]], GREEDY)[0]
+    second = e.generate([shared + [7, 8, 9]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 28  # 7 full blocks of 4 within the shared 29 tokens
+    assert second.token_ids == alone(tiny_model, shared + [7, 8, 9])
+    repeat = e.generate([shared + [5, 6]], GREEDY)[0]
+    assert repeat.num_cached_tokens == 28 and repeat.token_ids == first.token_ids
+    assert_all_free(e)
+
+
+def test_fully_cached_prompt_recomputes_last_token(tiny_model: LlamaModel) -> None:
+    p = list(range(10, 26))  # 16 tokens: exactly 4 blocks
+    e = make_engine(tiny_model, num_blocks=64)
+    a = e.generate([p], GREEDY)[0]
+    b = e.generate([p], GREEDY)[0]
+    assert b.num_cached_tokens == 12 and a.token_ids == b.token_ids
+    assert_all_free(e)
+
+
+def test_preempted_equals_unpreempted(tiny_model: LlamaModel) -> None:
+    ps = prompts(6, seed=3)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    e = make_engine(tiny_model, num_blocks=24, enable_prefix_caching=False)
+    for i, p in enumerate(ps):
+        e.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {}
+    preemptions = 0
+    while e.has_unfinished():
+        for r in e.step():
+            got.setdefault(r.request_id, []).extend(r.new_token_ids)
+        preemptions = max(preemptions, sum(q.num_preemptions for q in e.scheduler.requests.values()))
+        e.check_integrity()
+    assert preemptions > 0, "the test must force a preemption"
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == alone(tiny_model, p, params)
+    assert_all_free(e)
+
+
+def test_priority_runs_first(tiny_model: LlamaModel) -> None:
+    e = make_engine(tiny_model, num_blocks=64, max_num_seqs=1)
+    e.add_request("low", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0, priority=5))
+    e.add_request("high", [4, 5, 6], SamplingParams(max_tokens=2, temperature=0, priority=0))
+    first = e.step()
+    assert [o.request_id for o in first] == ["high"]
+
+
+def test_abort_frees_every_block(tiny_model: LlamaModel) -> None:
+    e = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=8)
+    for i, p in enumerate(prompts(5, seed=9)):
+        e.add_request(f"r{i}", p, GREEDY)
+    e.step()
+    e.step()
+    e.check_integrity()
+    for i in range(5):
+        assert e.abort(f"r{i}")
+        e.check_integrity()
+    assert not e.abort("r0")
+    assert not e.has_unfinished()
+    assert_all_free(e)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model: LlamaModel) -> None:
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    a = alone(tiny_model, [1, 2, 3], params)
+    e = make_engine(tiny_model, num_blocks=64)
+    e.add_request("other", [9, 9, 9, 9], SamplingParams(max_tokens=10, temperature=1.0))
+    assert e.generate([[1, 2, 3]], params)[0].token_ids == a
+
+
+def test_stop_token_and_max_tokens(tiny_model: LlamaModel) -> None:
+    base = alone(tiny_model, [3, 1, 4, 1, 5])
+    stop_at = base[4]
+    first = base.index(stop_at)
+    r = make_engine(tiny_model, num_blocks=64).generate(
+        [[3, 1, 4, 1, 5]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,))
+    )[0]
+    assert r.token_ids == base[: first + 1] and r.finish_reason == "stop"
+    r = make_engine(tiny_model, num_blocks=64).generate([[3, 1, 4]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert len(r.token_ids) == 3 and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("n_blocks", [64])
+def test_prefill_then_decode_from_kv_equals_one_engine(tiny_model: LlamaModel, n_blocks: int) -> None:
+    prefill = make_engine(tiny_model, num_blocks=n_blocks, role="prefill", max_num_batched_tokens=9)
+    decode = make_engine(tiny_model, num_blocks=n_blocks, role="decode")
+    for seed in (11, 12, 13):
+        p = prompts(1, seed=seed)[0] + [7] * 10
+        for params in (GREEDY, SamplingParams(max_tokens=12, temperature=0.8, seed=seed, ignore_eos=True)):
+            prefill.add_request("x", p, params)
+            outs: list[RequestOutput] = []
+            while prefill.has_unfinished():
+                outs += prefill.step()
+                prefill.check_integrity()
+            (handoff,) = outs
+            assert handoff.finish_reason == "prefill_done" and handoff.kv is not None
+            assert handoff.kv.num_tokens == len(p)
+            dst = decode.reserve("x", len(p))
+            decode.cache.write_blocks(dst, prefill.cache.read_blocks(handoff.kv.block_ids))
+            decode.add_prefilled_request("x", p, handoff.new_token_ids[0], params)
+            assert prefill.release("x")
+            prefill.check_integrity()
+            got: list[int] = []
+            while decode.has_unfinished():
+                got += [t for o in decode.step() for t in o.new_token_ids]
+                decode.check_integrity()
+            assert got == alone(tiny_model, p, params)
+    assert_all_free(decode)
+    prefill.check_integrity()
+    assert prefill.kv.num_requests == 0
+
+
+def test_reservation_release_frees_blocks(tiny_model: LlamaModel) -> None:
+    e = make_engine(tiny_model, num_blocks=16, role="decode")
+    assert e.reserve("r", 10) == [0, 1, 2]
+    e.check_integrity()
+    assert e.release("r")
+    assert_all_free(e)
