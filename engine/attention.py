@@ -36,6 +36,13 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache: [num_blocks * block_size, KVH, D] -> the given blocks, [len(blocks), block_size, KVH, D].
+
+    index_select, not advanced indexing: it is ~15x faster on CPU for this shape."""
+    return cache.view(-1, block_size, *cache.shape[1:]).index_select(0, blocks)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,32 +56,37 @@ def paged_attention(
 
     Returns [T, H, D].
     """
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    out = q.new_empty(q.shape) if meta.prefills else q
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        kvh, d = k_cache.shape[1], k_cache.shape[2]
-        bt = meta.decode_block_tables
-        # gathered: [nd, max_blocks * block_size, KVH, D] -> [nd, KVH, L, D]
-        kg = k_cache.view(-1, block_size, kvh, d)[bt].view(nd, -1, kvh, d).transpose(1, 2)
-        vg = v_cache.view(-1, block_size, kvh, d)[bt].view(nd, -1, kvh, d).transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kg, vg, attn_mask=meta.decode_mask, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        # gathered: [nd * max_blocks, block_size, KVH, D] -> [nd, KVH, L, D]
+        kg = _gather(k_cache, meta.decode_block_tables.flatten(), block_size).view(nd, -1, *k.shape[1:]).transpose(1, 2)
+        vg = _gather(v_cache, meta.decode_block_tables.flatten(), block_size).view(nd, -1, *v.shape[1:]).transpose(1, 2)
+        # The G query heads sharing a KV head become G query rows of that head (no GQA
+        # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
+        qd = q[:nd].view(nd, kg.shape[1], -1, q.shape[-1])
+        o = F.scaled_dot_product_attention(qd, kg, vg, attn_mask=meta.decode_mask).view(nd, *q.shape[1:])
+        if not meta.prefills:
+            return o
+        out[:nd] = o
+    group = q.shape[1] // k.shape[1]
     for c in meta.prefills:
-        qc = q[c.start : c.end].transpose(0, 1)  # [H, n, D]
+        # 4-D inputs with KV heads repeated hit the CPU flash kernel; enable_gqa or 3-D
+        # inputs fall back to the math path, 2-3x slower.
+        qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if c.context_len == 0:
-            kc = k[c.start : c.end].transpose(0, 1)  # [KVH, n, D]
-            vc = v[c.start : c.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+            kc, vc = k[c.start : c.end], v[c.start : c.end]  # [n, KVH, D]
+            mask = None
         else:
             n = c.end - c.start
             total = c.context_len + n
-            kvh, d = k_cache.shape[1], k_cache.shape[2]
-            kc = k_cache.view(-1, block_size, kvh, d)[c.block_table].view(-1, kvh, d)[:total].transpose(0, 1)
-            vc = v_cache.view(-1, block_size, kvh, d)[c.block_table].view(-1, kvh, d)[:total].transpose(0, 1)
+            kc = _gather(k_cache, c.block_table, block_size).flatten(0, 1)[:total]  # [total, KVH, D]
+            vc = _gather(v_cache, c.block_table, block_size).flatten(0, 1)[:total]
             q_pos = torch.arange(c.context_len, total).unsqueeze(1)  # [n, 1]
             mask = torch.arange(total).unsqueeze(0) <= q_pos  # [n, total]
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
-        out[c.start : c.end] = o.transpose(0, 1)
+        kc = kc.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        vc = vc.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=mask is None)
+        out[c.start : c.end] = o[0].transpose(0, 1)
     return out

@@ -8,7 +8,13 @@ from typing import Literal
 import torch
 
 Role = Literal["both", "prefill", "decode"]
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# "int8": weights quantized per channel, activations and KV cache in fp32.
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "int8": torch.float32,
+}
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class EngineConfig:
     and hands over its KV blocks; "decode" admits requests whose KV was written from outside.
     """
 
-    dtype: str = "bf16"
+    dtype: str = "auto"
     block_size: int = 16
     num_blocks: int = 2048
     max_num_seqs: int = 128
@@ -61,8 +67,8 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError("block_size and num_blocks must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -71,5 +77,15 @@ class EngineConfig:
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
 
     @property
+    def weight_dtype(self) -> str:
+        """The dtype `auto` resolves to: bf16 where the CPU has bf16 hardware, else fp32."""
+        if self.dtype != "auto":
+            return self.dtype
+        from engine.linear import cpu_has_bf16
+
+        return "bf16" if cpu_has_bf16() else "fp32"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """dtype of activations and of the KV cache."""
+        return DTYPES[self.weight_dtype]

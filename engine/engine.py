@@ -59,7 +59,7 @@ class Engine:
         """Load a GGUF file or HF directory with its tokenizer."""
         config = config or EngineConfig()
         model_config, weights = load_checkpoint(path)
-        model = LlamaModel(model_config, weights, config.torch_dtype)
+        model = LlamaModel(model_config, weights, config.torch_dtype, int8=config.weight_dtype == "int8")
         return cls(model, Tokenizer.load(path), config)
 
     # ---- requests -------------------------------------------------------------------------

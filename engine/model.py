@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.linear import Projection
 from engine.paged_cache import PagedKVCache
 from engine.weights import Weights
 
@@ -23,37 +24,41 @@ LayerCallback = Callable[[int], None]
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    o: torch.Tensor  # [hidden, q_size]
+    qkv: Projection  # hidden -> q_size + 2 * kv_size
+    o: Projection  # q_size -> hidden
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Projection  # hidden -> 2 * intermediate
+    down: Projection  # intermediate -> hidden
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype, int8: bool = False) -> None:
+        """dtype: activations and KV cache. int8: quantize the projection weights per channel."""
         self.config = config
         self.dtype = dtype
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(dtype).contiguous()
 
+        def proj(*names: str) -> Projection:
+            return Projection(torch.cat([weights[n] for n in names]), dtype, int8)
+
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        self.lm_head = self.embed if config.tie_embeddings else w("lm_head.weight")
+        head = weights["model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]
+        self.lm_head = Projection(head, dtype, int8) if int8 else None
+        self._lm_head_weight = self.embed if config.tie_embeddings else w("lm_head.weight")
         self.norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-            gate_up = torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]])
             self.layers.append(
                 LayerWeights(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=qkv.to(dtype).contiguous(),
-                    o=w(p + "self_attn.o_proj.weight"),
+                    qkv=proj(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    o=proj(p + "self_attn.o_proj.weight"),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=gate_up.to(dtype).contiguous(),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=proj(p + "mlp.down_proj.weight"),
                 )
             )
         # RoPE tables as HF computes them: fp32 angles, cast to the compute dtype.
@@ -65,6 +70,8 @@ class LlamaModel:
         self.sin = emb.sin().to(dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32:  # bit-identical to the composite below, and fewer ops
+            return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
         # As HF: normalise in fp32, cast back, then scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
@@ -102,7 +109,7 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         for i, lw in enumerate(self.layers):
             x = self._rms_norm(h, lw.attn_norm)
-            qkv = F.linear(x, lw.qkv)  # [T, q_size + 2 * kv_size]
+            qkv = lw.qkv(x)  # [T, q_size + 2 * kv_size]
             qk = qkv[:, : qs + kvs].view(t, nh + nkv, d)
             qk = self._rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]  # [T, H, D], [T, KVH, D]
@@ -112,10 +119,12 @@ class LlamaModel:
             if on_layer_done is not None:
                 on_layer_done(i)
             a = paged_attention(q, k, v, cache.k_flat[i], cache.v_flat[i], meta, cache.block_size)
-            h = h + F.linear(a.view(t, qs), lw.o)
+            h = h + lw.o(a.view(t, qs))
             x = self._rms_norm(h, lw.mlp_norm)
-            gu = F.linear(x, lw.gate_up)  # [T, 2 * intermediate]
+            gu = lw.gate_up(x)  # [T, 2 * intermediate]
             g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, lw.down)
+            h = h + lw.down(F.silu(g) * u)
         h = self._rms_norm(h[logits_indices], self.norm)  # [S, hidden]
-        return F.linear(h, self.lm_head).float()  # [S, vocab]
+        if self.lm_head is not None:
+            return self.lm_head(h).float()  # [S, vocab]
+        return F.linear(h, self._lm_head_weight).float()  # [S, vocab]

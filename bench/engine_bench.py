@@ -1,0 +1,146 @@
+"""`tandem bench engine`: our engine against HF transformers, same model, dtype, threads, prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_files import default_model_path
+from engine.sampling_params import SamplingParams
+
+PASSAGE = (
+    "The history of computing is a story of people trying to make machines do arithmetic faster, "
+    "and then discovering that the machines could do far more than arithmetic. Early mechanical "
+    "calculators gave way to relays, vacuum tubes, transistors and integrated circuits; each step "
+    "made computers smaller, cheaper and more reliable. "
+)
+
+
+def make_prompts(engine: Engine, n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of exactly `length` tokens."""
+    assert engine.tokenizer is not None
+    base = engine.tokenizer.encode(PASSAGE * (length // 40 + 2))
+    return [[(7 + i) % 1000 + 100] + base[i : i + length - 1] for i in range(n)]
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def ours(engine: Engine, prompts: list[list[int]], new: int) -> float:
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    return timed(lambda: engine.generate(prompts, params))
+
+
+def theirs(hf: Any, prompts: list[list[int]], new: int) -> float:
+    ids = torch.tensor(prompts)
+
+    def run() -> None:
+        with torch.inference_mode():
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    return timed(run)
+
+
+def decode_rate(run: Callable[[list[list[int]], int], float], prompts: list[list[int]], new: int) -> float:
+    """Decode tok/s with the prefill's cost taken out: (new - 1) tokens over t(new) - t(1)."""
+    t1 = run(prompts, 1)
+    tn = run(prompts, new)
+    return len(prompts) * (new - 1) / max(tn - t1, 1e-9)
+
+
+def prefill_rate(run: Callable[[list[list[int]], int], float], prompts: list[list[int]]) -> float:
+    """Prompt tok/s of the best of a few runs, each on a distinct prompt (no prefix-cache hits)."""
+    run(prompts[:1], 1)  # warm-up
+    return len(prompts[1]) / min(run([p], 1) for p in prompts[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem bench engine", description=__doc__)
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32", "fp16", "int8"],
+        help="auto: bf16 where the CPU has bf16 hardware, else fp32; int8: W8A8 dynamic (HF quantized alike)",
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--no-ref", action="store_true", help="skip HF transformers")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = args.model or str(default_model_path())
+    t = time.perf_counter()
+    engine = Engine.from_path(path, EngineConfig(dtype=args.dtype, num_blocks=4096, max_num_seqs=128))
+    load_s = time.perf_counter() - t
+    new = args.new_tokens
+    dtype_name = engine.config.weight_dtype
+
+    def run_ours(p: list[list[int]], n: int) -> float:
+        return ours(engine, p, n)
+
+    short = make_prompts(engine, 64, 32)
+    long = make_prompts(engine, 4, 512)
+    ours(engine, short[:4], 4)  # warm-up
+    res: dict[str, float | None] = {"load_s": load_s}
+    res["decode_tok_s"] = decode_rate(run_ours, short[:1], new)
+    res["prefill_tok_s"] = prefill_rate(run_ours, long)
+    res["batch16_tok_s"] = 16 * new / ours(engine, short[:16], new)
+    res["batch64_tok_s"] = 64 * new / ours(engine, short[:64], new)
+    res.update(ref_decode_tok_s=None, ref_prefill_tok_s=None, ref_batch16_tok_s=None)
+    if not args.no_ref:
+        from transformers import AutoModelForCausalLM
+
+        dtype = engine.config.torch_dtype
+        p = default_model_path() if args.model is None else None
+        hf = (
+            AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype)
+            if p is not None
+            else AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        )
+        hf.eval()  # type: ignore[no-untyped-call]
+        if dtype_name == "int8":  # the same W8A8 dynamic kernels as ours, on HF's module graph
+            hf = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)  # type: ignore[no-untyped-call]
+
+        def run_ref(pr: list[list[int]], n: int) -> float:
+            return theirs(hf, pr, n)
+
+        theirs(hf, short[:4], 4)
+        res["ref_decode_tok_s"] = decode_rate(run_ref, short[:1], new)
+        res["ref_prefill_tok_s"] = prefill_rate(run_ref, long)
+        res["ref_batch16_tok_s"] = 16 * new / theirs(hf, short[:16], new)
+    res_meta = {"dtype": dtype_name, "threads": args.threads}
+    if args.json:
+        print(json.dumps(res_meta | {k: round(v, 2) if v is not None else None for k, v in res.items()}))
+    else:
+        print(f"engine bench: {dtype_name}, {args.threads} threads, model {path} (loaded in {load_s:.2f} s)")
+        print(f"{'metric':<34}{'tandem':>10}{'HF':>10}{'ratio':>8}")
+        for label, key in [
+            ("decode tok/s (1 stream, 32 prompt)", "decode_tok_s"),
+            ("prefill tok/s (512 prompt)", "prefill_tok_s"),
+            ("batch-16 total tok/s", "batch16_tok_s"),
+            ("batch-64 total tok/s", "batch64_tok_s"),
+        ]:
+            a, b = res[key], res.get("ref_" + key)
+            ratio = f"{a / b:.2f}x" if a and b else "-"
+            print(f"{label:<34}{a or 0:>10.1f}{(b or 0):>10.1f}{ratio:>8}")
+    return 0
