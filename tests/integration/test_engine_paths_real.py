@@ -1,0 +1,82 @@
+"""Cache, chunking, preemption and the P/D seam on the real model: all give the tokens one plain run gives."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What does a compiler do?",
+    "Give me a synonym for 'happy'.",
+]
+
+
+def sibling(base: Engine, **kw: object) -> Engine:
+    """Another engine over the same loaded weights."""
+    return Engine(base.model, base.tokenizer, EngineConfig(dtype="fp32", **kw))  # type: ignore[arg-type]
+
+
+def chats(engine: Engine) -> list[str]:
+    assert engine.tokenizer is not None
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def test_chunked_prefill_prefix_cache_and_preemption(engine_fp32: Engine) -> None:
+    prompts = chats(engine_fp32)
+    plain = [r.token_ids for r in engine_fp32.generate(prompts, GREEDY)]
+    chunked = sibling(engine_fp32, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert [r.token_ids for r in chunked.generate(prompts, GREEDY)] == plain
+    cached = sibling(engine_fp32, num_blocks=256)
+    cached.generate(prompts[:1], GREEDY)
+    hits = cached.generate(prompts, GREEDY)
+    assert all(r.num_cached_tokens > 0 for r in hits)  # the system prompt is shared
+    assert [r.token_ids for r in hits] == plain
+    tight = sibling(engine_fp32, num_blocks=12, block_size=16, enable_prefix_caching=False)
+    for i, p in enumerate(prompts):
+        tight.add_request(f"r{i}", p, GREEDY)
+    got: dict[str, list[int]] = {}
+    preempted = 0
+    while tight.has_unfinished():
+        for o in tight.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        preempted = max(preempted, sum(r.num_preemptions for r in tight.scheduler.requests.values()))
+        tight.check_integrity()
+    assert preempted > 0
+    assert [got[f"r{i}"] for i in range(len(prompts))] == plain
+    for e in (chunked, cached, tight):
+        e.check_integrity()
+        assert e.kv.num_free_blocks == e.config.num_blocks
+
+
+def test_prefill_engine_then_decode_engine(engine_fp32: Engine) -> None:
+    prefill = sibling(engine_fp32, role="prefill", num_blocks=128)
+    decode = sibling(engine_fp32, role="decode", num_blocks=128)
+    for prompt in chats(engine_fp32):
+        for params in (GREEDY, SamplingParams(max_tokens=24, temperature=0.7, seed=7)):
+            expected = engine_fp32.generate([prompt], params)[0]
+            prefill.add_request("x", prompt, params)
+            outs: list[RequestOutput] = []
+            while prefill.has_unfinished():
+                outs += prefill.step()
+            (first,) = outs
+            assert first.kv is not None
+            ids = prefill.kv.block_table("x")
+            dst = decode.reserve("x", first.kv.num_tokens)
+            decode.cache.write_blocks(dst, prefill.cache.read_blocks(ids))
+            assert decode.tokenizer is not None
+            decode.add_prefilled_request("x", decode.tokenizer.encode(prompt), first.new_token_ids[0], params)
+            prefill.release("x")
+            tokens, text = [], ""
+            while decode.has_unfinished():
+                for o in decode.step():
+                    tokens += o.new_token_ids
+                    text += o.new_text
+            assert tokens == expected.token_ids and text == expected.text
+            prefill.check_integrity()
+            decode.check_integrity()
+    assert prefill.kv.num_free_blocks == decode.kv.num_free_blocks == 128
