@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint typecheck unit integration bench clean
+.PHONY: setup serve test lint typecheck unit integration bench protos clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ serve: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m protos.generate --check
 
 typecheck: setup
 	$(BIN)/mypy
@@ -38,6 +39,10 @@ test: lint typecheck
 
 bench: setup
 	$(BIN)/tandem bench engine
+	$(BIN)/tandem bench transfer
+
+protos: setup
+	$(BIN)/python -m protos.generate
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

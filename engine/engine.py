@@ -13,7 +13,7 @@ Roles (EngineConfig.role):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -22,14 +22,14 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache import KVCacheManager
-from engine.model import LlamaModel
+from engine.model import LayerCallback, LlamaModel
 from engine.outputs import Completion, KVHandoff, RequestOutput
 from engine.paged_cache import PagedKVCache
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint
 
@@ -51,6 +51,9 @@ class Engine:
         self._handoffs: set[str] = set()
         self._reserved: set[str] = set()
         self._arrivals = itertools.count()
+        # Called once per step with the batch; the callback it returns (if any) runs after
+        # each layer's KV is written. KV streaming hooks in here.
+        self.layer_hook: Callable[[SchedulerOutput], LayerCallback | None] | None = None
         eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
         self._eos_ids: frozenset[int] = frozenset(eos)
 
@@ -131,7 +134,7 @@ class Engine:
         results, self._pending = self._pending, []
         out = self.scheduler.schedule()
         if out.num_tokens:
-            sampled = self.runner.execute(out)
+            sampled = self.runner.execute(out, self.layer_hook(out) if self.layer_hook else None)
             self.scheduler.advance(out)
             done = [c for c in out.chunks if c.completes]
             for c, tok, lp in zip(done, sampled.token_ids, sampled.logprobs, strict=True):

@@ -1,0 +1,247 @@
+"""The decode side of a transfer: leases, validation, writes into the paged cache, admission.
+
+A chunk is checked completely before a byte is written: reservation, token, deadline,
+layer range, destination blocks, dtype, shape, size and checksum. A bad chunk from the
+token holder fails the transfer (its blocks are freed at once); a chunk with a wrong or
+stale token is refused and the reservation is left alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
+from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
+from kv_transfer.reservations import Reservation, ReservationTable, State
+from kv_transfer.wire import DTYPES, checksum, layout_of
+from protos.gen import kv_transfer_pb2 as pb
+
+# Payload views are read-only (gRPC's bytes, a read-only mmap); they are only ever read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    request_id: str
+    bytes: int
+    chunks: int
+    seconds: float
+    network_wait_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class KVReceiver:
+    """Owns the reservations of one decode engine. Thread-safe; `engine_lock` guards the engine."""
+
+    def __init__(self, engine: Engine, engine_lock: threading.RLock, endpoint: str = "", lease_s: float = 10.0) -> None:
+        self.engine = engine
+        self.engine_lock = engine_lock
+        self.endpoint = endpoint
+        self.lease_s = lease_s
+        self.layout = layout_of(engine.cache)
+        self.table = ReservationTable()
+        self.readers: dict[str, PayloadReader] = {"grpc": InbandReader(), "shm": ShmReader()}
+        self._cond = threading.Condition()
+        self._failed: OrderedDict[str, str] = OrderedDict()
+        self._done: OrderedDict[str, TransferStats] = OrderedDict()
+        self._segments: dict[str, set[str]] = {}
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> pb.ReserveResponse:
+        """Claim blocks for `num_tokens` tokens. Raises NoFreeBlocksError, PromptTooLongError, ..."""
+        lease = lease_s if lease_s else self.lease_s
+        with self._cond:
+            if request_id in self.table:
+                raise KVTransferError(f"request {request_id!r} already has a reservation")
+            with self.engine_lock:
+                blocks = self.engine.reserve(request_id, num_tokens)
+            r = self.table.add(request_id, blocks, num_tokens, lease)
+            self._failed.pop(request_id, None)
+            self._done.pop(request_id, None)
+        return pb.ReserveResponse(
+            block_ids=r.block_ids,
+            transfer_token=r.token,
+            endpoint=self.endpoint,
+            layout=self.layout,
+            lease_ms=int(lease * 1000),
+        )
+
+    def release(self, request_id: str, token: str | None, reason: str) -> bool:
+        """Drop a reservation and free its blocks. With a token, it must match."""
+        with self._cond:
+            r = self.table.get(request_id)
+            if r is None or (token is not None and token != r.token):
+                return False
+            self._drop(r, reason)
+            return True
+
+    def expire(self) -> list[str]:
+        """Free every reservation whose lease has run out; returns their ids."""
+        with self._cond:
+            gone = self.table.expired()
+            for r in gone:
+                self._drop(r, "lease expired")
+            return [r.request_id for r in gone]
+
+    def _drop(self, r: Reservation, reason: str) -> None:
+        self.table.pop(r.request_id)
+        with self.engine_lock:
+            self.engine.release(r.request_id)
+        self._forget_segments(r.request_id)
+        self._failed[r.request_id] = reason
+        while len(self._failed) > 1024:
+            self._failed.popitem(last=False)
+        self._cond.notify_all()
+
+    def _forget_segments(self, request_id: str) -> None:
+        names = self._segments.pop(request_id, set())
+        shm = self.readers.get("shm")
+        if names and isinstance(shm, ShmReader):
+            shm.forget(sorted(names))
+
+    # ---- data -------------------------------------------------------------------------------
+
+    def accept(self, header: pb.KVChunkHeader, inband: memoryview) -> int:
+        """Validate one chunk and write it into the cache; returns the payload size.
+
+        Raises ChunkRejected (nothing written)."""
+        with self._cond:
+            r = self._authorised(header)
+            try:
+                blocks, shape = self._check_chunk(r, header)
+                reader = self.readers.get(header.transport)
+                if reader is None:
+                    raise ChunkRejected("bad_transport", f"unknown transport {header.transport!r}")
+                try:
+                    payload = reader.get(header, inband)
+                except (OSError, ValueError) as e:
+                    raise ChunkRejected("bad_payload", str(e)) from e
+                if header.transport == "shm":
+                    self._segments.setdefault(r.request_id, set()).add(header.shm_name)
+                if len(payload) != header.payload_bytes:
+                    raise ChunkRejected(
+                        "bad_size", f"payload is {len(payload)} bytes, header says {header.payload_bytes}"
+                    )
+                if checksum(payload) != header.checksum:
+                    raise ChunkRejected("bad_checksum", "payload checksum mismatch")
+            except ChunkRejected as e:
+                self._drop(r, f"rejected chunk: {e}")
+                raise
+            data = torch.frombuffer(payload, dtype=self.engine.cache.dtype).view(shape)
+            self.engine.cache.write_blocks(blocks, data, slice(header.layer_start, header.layer_end))
+            if r.state is State.RESERVED:
+                r.state, r.started = State.RECEIVING, time.monotonic()
+            for layer in range(header.layer_start, header.layer_end):
+                r.received.setdefault(layer, set()).update(blocks)
+            r.bytes += len(payload)
+            r.chunks += 1
+            return len(payload)
+
+    def commit(self, header: pb.KVChunkHeader, network_wait_s: float = 0.0) -> TransferStats:
+        """Verify that every layer of every needed block arrived; mark the transfer complete."""
+        with self._cond:
+            r = self._authorised(header)
+            n = header.num_tokens
+            needed = set(r.blocks_needed(self.layout.block_size, n)) if 0 < n <= r.num_tokens else None
+            missing = [
+                layer
+                for layer in range(self.layout.num_layers)
+                if needed is None or not needed <= r.received.get(layer, set())
+            ]
+            if missing:
+                reason = f"commit of {n} tokens with layers {missing[:4]}... incomplete"
+                self._drop(r, reason)
+                raise ChunkRejected("incomplete", reason)
+            r.state, r.finished = State.COMPLETE, time.monotonic()
+            r.network_wait_s = network_wait_s
+            self._forget_segments(r.request_id)
+            stats = TransferStats(
+                r.request_id, r.bytes, r.chunks, r.finished - (r.started or r.finished), network_wait_s
+            )
+            self._done[r.request_id] = stats
+            while len(self._done) > 1024:
+                self._done.popitem(last=False)
+            self._cond.notify_all()
+            return stats
+
+    def _authorised(self, header: pb.KVChunkHeader) -> Reservation:
+        r = self.table.get(header.request_id)
+        if r is None:
+            raise ChunkRejected("unknown_request", f"no reservation for {header.request_id!r} (unknown or expired)")
+        if header.transfer_token != r.token:
+            raise ChunkRejected("bad_token", "wrong or reused transfer token")
+        if r.deadline <= self.table.clock():
+            self._drop(r, "lease expired")
+            raise ChunkRejected("expired", f"the reservation of {header.request_id!r} expired")
+        if r.state is State.COMPLETE:
+            raise ChunkRejected("complete", "the transfer is already committed")
+        return r
+
+    def _check_chunk(self, r: Reservation, h: pb.KVChunkHeader) -> tuple[list[int], tuple[int, ...]]:
+        lo, hi = h.layer_start, h.layer_end
+        if not 0 <= lo < hi <= self.layout.num_layers:
+            raise ChunkRejected("bad_layers", f"layers [{lo}, {hi}) outside [0, {self.layout.num_layers})")
+        blocks = list(h.block_ids)
+        if not blocks or not set(blocks) <= set(r.block_ids) or len(set(blocks)) != len(blocks):
+            raise ChunkRejected("bad_blocks", f"blocks {blocks[:8]} are not within the reservation")
+        if h.dtype != self.layout.dtype:
+            raise ChunkRejected("bad_dtype", f"dtype {h.dtype!r}, cache holds {self.layout.dtype!r}")
+        L = self.layout
+        shape = (hi - lo, 2, len(blocks), L.block_size, L.num_kv_heads, L.head_dim)
+        if tuple(h.shape) != shape:
+            raise ChunkRejected("bad_shape", f"shape {tuple(h.shape)}, expected {shape}")
+        elem = torch.tensor([], dtype=DTYPES[h.dtype]).element_size()
+        if h.payload_bytes != elem * torch.Size(shape).numel():
+            raise ChunkRejected("bad_size", f"payload_bytes {h.payload_bytes} does not match shape {shape}")
+        return blocks, shape
+
+    # ---- completion and admission ----------------------------------------------------------
+
+    def wait(self, request_id: str, timeout: float) -> TransferStats:
+        """Block until the transfer commits. Raises KVTransferError if it failed, TransferTimeout."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if request_id in self._done:
+                    return self._done[request_id]
+                if request_id in self._failed:
+                    raise KVTransferError(f"transfer of {request_id!r} failed: {self._failed[request_id]}")
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"transfer of {request_id!r} not complete after {timeout:.1f} s")
+                self._cond.wait(left)
+
+    def admit(
+        self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
+    ) -> None:
+        """Hand a complete transfer to the engine as a running request."""
+        with self._cond:
+            r = self.table.get(request_id)
+            if r is None or r.state is not State.COMPLETE:
+                raise KVTransferError(f"request {request_id!r} has no complete transfer to admit")
+            if len(prompt_token_ids) > r.num_tokens:
+                raise KVTransferError(f"{len(prompt_token_ids)} prompt tokens, {r.num_tokens} reserved")
+            self.table.pop(request_id)
+            with self.engine_lock:
+                self.engine.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if leases and the engine's blocks disagree."""
+        with self._cond, self.engine_lock:
+            self.table.check_integrity()
+            for rid in self.table.ids():
+                assert self.engine.kv.has_request(rid), f"reservation {rid} holds no engine blocks"
+            self.engine.check_integrity()

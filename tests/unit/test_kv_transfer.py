@@ -1,0 +1,224 @@
+"""KV transfer over real gRPC on loopback: exact round trips, concurrency, rejections, leases."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.model import LlamaModel
+from engine.sampling_params import SamplingParams
+from kv_transfer.errors import ChunkRejected, KVTransferError
+from kv_transfer.wire import checksum, frame, tensor_bytes
+from protos.gen import kv_transfer_pb2 as pb
+from tests.unit.kv_harness import Pair, make_pair
+from tests.unit.tiny import make_engine
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def pair(tiny_model: LlamaModel) -> Iterator[Pair]:
+    p = make_pair(tiny_model, max_num_batched_tokens=8)  # several chunks per prompt
+    yield p
+    p.close()
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128) for _ in range(n)]
+
+
+def decode_all(pair: Pair, rid: str) -> list[int]:
+    tokens: list[int] = []
+    while pair.decode.has_unfinished():
+        with pair.lock:
+            outs = pair.decode.step()
+        tokens += [t for o in outs if o.request_id == rid for t in o.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_exact_round_trip_and_same_tokens(pair: Pair, tiny_model: LlamaModel, transport: str) -> None:
+    client = pair.client(transport)
+    for seed, n in ((1, 5), (2, 16), (3, 37)):
+        prompt = prompt_of(n, seed)
+        first, res, src = pair.transfer(client, f"r{seed}", prompt, GREEDY)
+        stats = pair.receiver.wait(f"r{seed}", 2.0)
+        assert stats.bytes > 0 and stats.chunks >= 2
+        dst = pair.decode.cache.read_blocks(list(res.block_ids))
+        assert torch.equal(src, dst), "decode blocks differ from prefill blocks"
+        pair.receiver.admit(f"r{seed}", prompt, first.new_token_ids[0], GREEDY)
+        got = decode_all(pair, f"r{seed}")
+        alone = make_engine(tiny_model, num_blocks=64).generate([prompt], GREEDY)[0].token_ids
+        assert got == alone
+        pair.receiver.check_integrity()
+        pair.prefill.check_integrity()
+    assert pair.decode.kv.num_free_blocks == 256 and pair.prefill.kv.num_requests == 0
+    client.close()
+
+
+def test_sixteen_concurrent_transfers_land_in_their_own_blocks(tiny_model: LlamaModel) -> None:
+    decode_pair = make_pair(tiny_model)
+    client = decode_pair.client()
+    try:
+        errors: list[BaseException] = []
+        results: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+        def one(i: int) -> None:
+            try:
+                rid = f"c{i}"
+                n = 3 + 7 * i
+                layers = tiny_model.config.num_layers
+                data = torch.randn(layers, 2, -(-n // 4), 4, 2, 16)
+                res = client.reserve(rid, n)
+                push = client.push(rid, res)
+                for layer in range(layers):
+                    push.send(layer, layer + 1, list(range(data.shape[2])), data[layer : layer + 1].contiguous())
+                push.commit(n)
+                results[rid] = (list(res.block_ids), data)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not errors, errors
+        all_blocks = [b for blocks, _ in results.values() for b in blocks]
+        assert len(all_blocks) == len(set(all_blocks))
+        for blocks, data in results.values():
+            assert torch.equal(decode_pair.decode.cache.read_blocks(blocks), data)
+        decode_pair.receiver.check_integrity()
+        for rid in results:
+            assert decode_pair.receiver.release(rid, None, "test done")
+        assert decode_pair.decode.kv.num_free_blocks == 256
+    finally:
+        client.close()
+        decode_pair.close()
+
+
+def _valid_chunk(res: pb.ReserveResponse, rid: str) -> tuple[pb.KVChunkHeader, torch.Tensor]:
+    data = torch.randn(1, 2, 2, 4, 2, 16)
+    h = pb.KVChunkHeader(
+        request_id=rid,
+        transfer_token=res.transfer_token,
+        layer_start=0,
+        layer_end=1,
+        block_ids=list(res.block_ids[:2]),
+        dtype="float32",
+        shape=list(data.shape),
+        payload_bytes=data.numel() * 4,
+        transport="grpc",
+        checksum=checksum(tensor_bytes(data)),
+    )
+    return h, data
+
+
+BAD_CHUNKS = {
+    "bad_token": lambda h, d: (setattr(h, "transfer_token", "0" * 32), d),
+    "bad_blocks": lambda h, d: (h.block_ids.__setitem__(1, 250), d),
+    "bad_dtype": lambda h, d: (setattr(h, "dtype", "bfloat16"), d),
+    "bad_shape": lambda h, d: (h.shape.__setitem__(3, 8), d),
+    "bad_checksum": lambda h, d: (setattr(h, "checksum", h.checksum ^ 1), d),
+    "bad_layers": lambda h, d: (setattr(h, "layer_end", 9), d),
+    "unknown_request": lambda h, d: (setattr(h, "request_id", "nobody"), d),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHUNKS))
+def test_bad_chunks_are_rejected_and_write_nothing(pair: Pair, case: str) -> None:
+    res = pair.receiver.reserve("r", 10)
+    before = pair.decode.cache.kv.clone()
+    h, data = _valid_chunk(res, "r")
+    BAD_CHUNKS[case](h, data)
+    with pytest.raises(ChunkRejected) as err:
+        pair.receiver.accept(h, tensor_bytes(data))
+    assert err.value.code == case
+    assert torch.equal(pair.decode.cache.kv, before)
+    still_reserved = case in ("bad_token", "unknown_request")
+    assert ("r" in pair.receiver.table) == still_reserved
+    pair.receiver.check_integrity()
+    pair.receiver.release("r", None, "cleanup")
+    assert pair.decode.kv.num_free_blocks == 256
+
+
+def test_bad_chunk_over_grpc_is_a_typed_error_for_the_sender(pair: Pair) -> None:
+    client = pair.client()
+    res = client.reserve("r", 10)
+    h, data = _valid_chunk(res, "r")
+    h.checksum ^= 1
+    push = client.push("r", res)
+    push._put(frame(h, tensor_bytes(data)))
+    with pytest.raises(KVTransferError):
+        push.commit(10)
+    assert "r" not in pair.receiver.table
+    assert pair.decode.kv.num_free_blocks == 256
+    client.close()
+
+
+def test_reused_token_is_rejected(pair: Pair) -> None:
+    old = pair.receiver.reserve("r", 8)
+    pair.receiver.release("r", old.transfer_token, "first attempt abandoned")
+    pair.receiver.reserve("r", 8)
+    h, data = _valid_chunk(old, "r")
+    with pytest.raises(ChunkRejected) as err:
+        pair.receiver.accept(h, tensor_bytes(data))
+    assert err.value.code == "bad_token"
+
+
+def test_incomplete_commit_fails_and_frees(pair: Pair) -> None:
+    client = pair.client()
+    res = client.reserve("r", 8)
+    push = client.push("r", res)
+    push.send(0, 1, [0, 1], torch.randn(1, 2, 2, 4, 2, 16))  # layer 1 never sent
+    with pytest.raises(ChunkRejected):
+        push.commit(8)
+    with pytest.raises(KVTransferError):
+        pair.receiver.wait("r", 1.0)
+    assert pair.decode.kv.num_free_blocks == 256
+    client.close()
+
+
+def test_lease_expires_and_frees_blocks(tiny_model: LlamaModel) -> None:
+    p = make_pair(tiny_model, lease_s=0.3)
+    try:
+        p.receiver.reserve("idle", 20)
+        assert p.decode.kv.num_free_blocks == 256 - 5
+        deadline = time.monotonic() + 3
+        while "idle" in p.receiver.table and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "idle" not in p.receiver.table
+        assert p.decode.kv.num_free_blocks == 256
+        with pytest.raises(KVTransferError, match="lease expired"):
+            p.receiver.wait("idle", 0.1)
+        p.receiver.check_integrity()
+    finally:
+        p.close()
+
+
+def test_abort_from_the_sender_frees_the_reservation(pair: Pair) -> None:
+    client = pair.client()
+    res = client.reserve("r", 8)
+    push = client.push("r", res)
+    push.send(0, 1, [0, 1], torch.randn(1, 2, 2, 4, 2, 16))
+    push.abort("client went away")
+    deadline = time.monotonic() + 2
+    while "r" in pair.receiver.table and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pair.decode.kv.num_free_blocks == 256
+    client.close()
+
+
+def test_no_free_blocks_is_a_typed_error(pair: Pair) -> None:
+    client = pair.client()
+    client.reserve("a", 500)
+    client.reserve("b", 500)
+    with pytest.raises(KVTransferError, match="no free blocks"):
+        client.reserve("c", 100)
+    client.close()
