@@ -13,7 +13,6 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -22,24 +21,9 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
 from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
 from kv_transfer.reservations import Reservation, ReservationTable, State
+from kv_transfer.stats import TransferStats
 from kv_transfer.wire import DTYPES, checksum, layout_of
 from protos.gen import kv_transfer_pb2 as pb
-
-# Payload views are read-only (gRPC's bytes, a read-only mmap); they are only ever read.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    request_id: str
-    bytes: int
-    chunks: int
-    seconds: float
-    network_wait_s: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class KVReceiver:
@@ -140,7 +124,9 @@ class KVReceiver:
             except ChunkRejected as e:
                 self._drop(r, f"rejected chunk: {e}")
                 raise
-            data = torch.frombuffer(payload, dtype=self.engine.cache.dtype).view(shape)
+            with warnings.catch_warnings():  # payloads are read-only views (gRPC bytes, mmap); only read
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(payload, dtype=self.engine.cache.dtype).view(shape)
             self.engine.cache.write_blocks(blocks, data, slice(header.layer_start, header.layer_end))
             if r.state is State.RESERVED:
                 r.state, r.started = State.RECEIVING, time.monotonic()

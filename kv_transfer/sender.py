@@ -18,6 +18,7 @@ import torch
 from kv_transfer.errors import ChunkRejected, KVTransferError, PeerUnavailable, TransferTimeout
 from kv_transfer.payload import InbandWriter, PayloadWriter, ShmWriter
 from kv_transfer.server import MAX_MESSAGE, SERVICE
+from kv_transfer.stats import TransferStats
 from kv_transfer.wire import DTYPE_NAMES, checksum, frame, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 
@@ -160,8 +161,10 @@ class KVPush:
         self.bytes += header.payload_bytes
         self.chunks += 1
 
-    def commit(self, num_tokens: int) -> pb.PushResult:
-        """Send the commit and wait for the receiver's verdict. Raises typed errors."""
+    def commit(self, num_tokens: int) -> TransferStats:
+        """Send the commit and wait for the receiver's verdict; returns the sender's figures.
+
+        Raises TransferTimeout, PeerUnavailable or ChunkRejected."""
         header = pb.KVChunkHeader(
             request_id=self.request_id,
             transfer_token=self.reservation.transfer_token,
@@ -171,8 +174,11 @@ class KVPush:
         try:
             self._put(frame(header))
             self._put(_DONE)
-            result = self._future.result(timeout=self._left())
-            return result  # type: ignore[no-any-return]
+            t = time.monotonic()
+            self._future.result(timeout=self._left())
+            done = time.monotonic()
+            self.queue_wait_s += done - t
+            return TransferStats(self.request_id, self.bytes, self.chunks, done - self.started, self.queue_wait_s)
         except grpc.RpcError as e:
             raise _typed(e, f"commit {self.request_id!r}") from e
         except grpc.FutureTimeoutError as e:
