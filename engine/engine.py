@@ -59,11 +59,14 @@ class Engine:
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
-        """Load a GGUF file or HF directory with its tokenizer."""
+        """Load a GGUF file or HF directory with its tokenizer; an HF directory without
+        tokenizer.json gets none (token ids only: the tiny test models)."""
         config = config or EngineConfig()
         model_config, weights = load_checkpoint(path)
         model = LlamaModel(model_config, weights, config.torch_dtype, int8=config.weight_dtype == "int8")
-        return cls(model, Tokenizer.load(path), config)
+        p = Path(path)
+        tokenizer = None if p.is_dir() and not (p / "tokenizer.json").exists() else Tokenizer.load(p)
+        return cls(model, tokenizer, config)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -248,4 +251,5 @@ class Engine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             kv=handoff,
+            queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
         )

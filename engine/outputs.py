@@ -31,6 +31,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     kv: KVHandoff | None = None
+    queue_s: float = 0.0  # arrival to first scheduled (time.monotonic based)
 
 
 @dataclass

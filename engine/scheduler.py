@@ -10,6 +10,7 @@ recomputed from its tokens later (its prefix may still be cached).
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -106,6 +107,8 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n

@@ -21,6 +21,7 @@ import torch
 from engine.engine import Engine
 from engine.model import LayerCallback
 from engine.scheduler import SchedulerOutput
+from kv_transfer.errors import KVTransferError
 from kv_transfer.sender import KVPush
 
 
@@ -62,9 +63,16 @@ class LayerStreamer:
             return None
         kv = self.engine.cache.kv
 
+        failed: set[int] = set()
+
         def on_layer(i: int) -> None:
-            for push, logical, src in work:
-                # [1, 2, blocks, block_size, kv_heads, head_dim]: a copy, so later writes can't race the send
-                push.send(i, i + 1, logical, kv[i].index_select(1, src).unsqueeze(0))
+            for n, (push, logical, src) in enumerate(work):
+                if n in failed:
+                    continue
+                try:
+                    # [1, 2, blocks, block_size, kv_heads, head_dim]: a copy, so later writes can't race the send
+                    push.send(i, i + 1, logical, kv[i].index_select(1, src).unsqueeze(0))
+                except KVTransferError:
+                    failed.add(n)  # this request's commit raises the typed error; the batch runs on
 
         return on_layer

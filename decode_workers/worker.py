@@ -1,0 +1,81 @@
+"""DecodeWorker: reserves blocks, receives KV over kv_transfer, decodes in continuous batches.
+
+Tokens go back as a Ray streaming generator (`generate` is a plain generator; the actor
+wrapper declares it streaming): Ray then carries backpressure and actor death to the
+caller, who sees a typed error on the next item, with no second port or protocol to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker_base import WorkerBase
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.server import KVTransferServer
+
+
+def output_dict(o: RequestOutput) -> dict[str, Any]:
+    return {
+        "token_ids": o.new_token_ids,
+        "text": o.new_text,
+        "finished": o.finished,
+        "finish_reason": o.finish_reason,
+        "num_prompt_tokens": o.num_prompt_tokens,
+        "num_output_tokens": o.num_output_tokens,
+        "logprobs": [(lp.token_id, lp.logprob, list(lp.top)) for lp in o.logprobs],
+    }
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(
+        self, worker_id: str, model_path: str, config: EngineConfig, host: str = "127.0.0.1", lease_s: float = 10.0
+    ) -> None:
+        super().__init__(worker_id, model_path, config)
+        self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s)
+        self.server = KVTransferServer(self.receiver, host=host).start()
+        self.endpoint = self.server.endpoint
+
+    def reserve(self, request_id: str, num_tokens: int) -> bytes:
+        """Claim blocks for a prompt's KV; a serialized ReserveResponse (endpoint, token, blocks)."""
+        self._check_open()
+        return bytes(self.receiver.reserve(request_id, num_tokens).SerializeToString())
+
+    def release(self, request_id: str) -> bool:
+        return self.receiver.release(request_id, None, "released by caller")
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        transfer_timeout_s: float = 10.0,
+        step_timeout_s: float = 30.0,
+    ) -> Iterator[dict[str, Any]]:
+        """Wait for the verified transfer, admit, then yield outputs until the request finishes."""
+        self.receiver.wait(request_id, transfer_timeout_s)
+        stream = self.loop.open(request_id, lambda: self.receiver.admit(request_id, prompt_ids, first_token, params))
+        try:
+            for out in stream.iterate(step_timeout_s):
+                yield output_dict(out)
+        finally:
+            self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        s["reservations"] = len(self.receiver.table)
+        s["endpoint"] = self.endpoint
+        return s
+
+    def check_integrity(self) -> None:
+        self.receiver.check_integrity()
+
+    def shutdown(self) -> None:
+        self.server.stop(0)
+        super().shutdown()

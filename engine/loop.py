@@ -1,0 +1,152 @@
+"""EngineLoop: one thread drives an Engine; any thread submits, aborts and reads streams.
+
+The engine is not thread-safe. Everything that touches it takes `lock` (an RLock that
+the KV receiver shares); the loop holds it for one step at a time, so submissions
+interleave between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from engine.engine import Engine
+from engine.errors import EngineError
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class StreamError(EngineError):
+    """The request failed inside the engine loop (the message says why)."""
+
+
+class RequestStream:
+    """Outputs of one request, in order, ending with a finished output or an error."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._q: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self.first_output_time: float | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.first_output_time is None:
+            self.first_output_time = time.monotonic()
+        self._q.put(item)
+
+    def get(self, timeout: float) -> RequestOutput:
+        """The next output. Raises TimeoutError, or the error that ended the request."""
+        try:
+            item = self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output for {self.request_id!r} within {timeout:.1f} s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def iterate(self, timeout: float) -> Iterator[RequestOutput]:
+        """Outputs until the finished one; each wait bounded by `timeout`."""
+        while True:
+            out = self.get(timeout)
+            yield out
+            if out.finished:
+                return
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, lock: threading.RLock | None = None) -> None:
+        self.engine = engine
+        self.lock = lock or threading.RLock()
+        self.steps = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.on_outputs: list[Callable[[list[RequestOutput]], None]] = []
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def open(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
+        """Register a stream, then call `add()` (which adds the request to the engine) under the lock.
+
+        Errors from `add` (invalid input, duplicate id) propagate and leave nothing behind."""
+        stream = RequestStream(request_id)
+        with self.lock:
+            if request_id in self._streams:
+                raise EngineError(f"request {request_id!r} is already streaming")
+            self._streams[request_id] = stream
+            try:
+                add()
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its stream ends with a finished 'abort' output."""
+        with self.lock:
+            found = self.engine.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(RequestOutput(request_id, [], "", True, "abort"))
+        return found
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) under the lock (reserve, release, stats)."""
+        with self.lock:
+            return fn(self.engine)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                busy = self.engine.has_unfinished()
+                outs: list[RequestOutput] = []
+                if busy:
+                    try:
+                        outs = self.engine.step()
+                        self.steps += 1
+                    except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+                        log.exception("engine step failed")
+                        self._fail_all(e)
+            if outs:
+                self._dispatch(outs)
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        for cb in self.on_outputs:
+            cb(outs)
+        for o in outs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            stream.put(o)
+            if o.finished:
+                self._streams.pop(o.request_id, None)
+
+    def _fail_all(self, e: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            stream.put(StreamError(f"engine step failed: {e}"))
+        self._streams.clear()
+
+    def check_integrity(self) -> None:
+        with self.lock:
+            self.engine.check_integrity()

@@ -1,0 +1,107 @@
+"""PrefillWorker: runs prompts (batched, chunked, prefix-cached) and streams their KV out.
+
+Each call names the decode worker's reservation; the KV goes there layer by layer while
+the prompt computes. The call returns the first token and where the time went.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.worker_base import WorkerBase
+from kv_transfer.errors import KVTransferError
+from kv_transfer.sender import KVTransferClient
+from kv_transfer.streaming import LayerStreamer
+from protos.gen import kv_transfer_pb2 as pb
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(
+        self, worker_id: str, model_path: str, config: EngineConfig, transport: str = "grpc", timeout_s: float = 10.0
+    ) -> None:
+        super().__init__(worker_id, model_path, config)
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.streamer = LayerStreamer(self.engine)
+        self._clients: dict[str, KVTransferClient] = {}
+        self._clients_lock = threading.Lock()
+        self.block_events: tuple[list[int], list[int]] = ([], [])
+
+    def _client(self, endpoint: str) -> KVTransferClient:
+        with self._clients_lock:
+            c = self._clients.get(endpoint)
+            if c is None:
+                c = self._clients[endpoint] = KVTransferClient(endpoint, self.transport, self.timeout_s)
+            return c
+
+    def prefill(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        reservation: bytes,
+    ) -> dict[str, Any]:
+        """Prefill, stream KV to `reservation` (a serialized ReserveResponse), commit.
+
+        Returns {"first_token", "finish_reason" (None unless the request already ended),
+        "timing": {queue_s, prefill_s, transfer_s}, "transfer": stats, "cached_tokens"}.
+        Raises KVTransferError (the decode side frees its lease), InvalidRequestError."""
+        self._check_open()
+        res = pb.ReserveResponse.FromString(reservation)
+        t0 = time.monotonic()
+        client = self._client(res.endpoint)
+        push = client.push(request_id, res, deadline_s=self.timeout_s)
+        self.streamer.track(request_id, push)
+        try:
+            stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
+            first = stream.get(self.timeout_s)
+            t1 = time.monotonic()
+        except BaseException:
+            self.streamer.untrack(request_id)
+            push.abort("prefill failed")
+            self.loop.abort(request_id)
+            raise
+        self.streamer.untrack(request_id)
+        try:
+            if first.finish_reason == "abort":
+                raise KVTransferError(f"request {request_id!r} was aborted during prefill")
+            stats = push.commit(len(prompt_ids))
+        except BaseException:
+            push.abort("commit failed")
+            raise
+        finally:
+            self.loop.call(lambda e: e.release(request_id))
+            self._collect_block_events()
+        return {
+            "first_token": first.new_token_ids[0],
+            "finish_reason": None if first.finish_reason == "prefill_done" else first.finish_reason,
+            "cached_tokens": first.num_cached_tokens,
+            "timing": {
+                "queue_s": first.queue_s,
+                "prefill_s": t1 - t0 - first.queue_s,
+                "transfer_s": time.monotonic() - t1,
+            },
+            "transfer": stats.as_dict(),
+        }
+
+    def _collect_block_events(self) -> None:
+        stored, evicted = self.loop.call(lambda e: e.kv.pool.pop_events())
+        self.block_events[0].extend(stored)
+        self.block_events[1].extend(evicted)
+
+    def pop_block_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes cached and evicted since the last call (for the cluster's prefix index)."""
+        events, self.block_events = self.block_events, ([], [])
+        return events
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for c in self._clients.values():
+            c.close()

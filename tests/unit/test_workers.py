@@ -1,0 +1,102 @@
+"""Prefill, decode and colocated workers in-process (no Ray): parity, abort, drain, integrity."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from decode_workers.colocated import ColocatedWorker
+from decode_workers.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.worker_base import WorkerDraining
+from kv_transfer.errors import KVTransferError
+from prefill_workers.worker import PrefillWorker
+from tests.unit.tiny import TINY, tiny_weights
+
+CFG = EngineConfig(dtype="fp32", block_size=4, num_blocks=128, max_num_batched_tokens=16)
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.weights import save_hf_dir
+
+    d = tmp_path_factory.mktemp("tiny")
+    save_hf_dir(d, TINY, tiny_weights())
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def workers(model_dir: str) -> Iterator[tuple[PrefillWorker, DecodeWorker, ColocatedWorker]]:
+    from dataclasses import replace
+
+    p = PrefillWorker("p0", model_dir, replace(CFG, role="prefill"))
+    d = DecodeWorker("d0", model_dir, replace(CFG, role="decode"))
+    c = ColocatedWorker("c0", model_dir, CFG)
+    yield p, d, c
+    for w in (p, d, c):
+        w.shutdown()
+
+
+def disaggregated(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> tuple[list[int], dict]:
+    res = d.reserve(rid, len(prompt))
+    out = p.prefill(rid, prompt, PARAMS, res)
+    tokens = [t for o in d.generate(rid, prompt, out["first_token"], PARAMS) for t in o["token_ids"]]
+    return tokens, out
+
+
+def test_disaggregated_equals_colocated(workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker]) -> None:
+    p, d, c = workers
+    for i, n in enumerate((3, 17, 40)):
+        prompt = [(7 * j + i) % 128 for j in range(n)]
+        tokens, out = disaggregated(p, d, f"r{i}", prompt)
+        alone = [t for o in c.generate(f"c{i}", prompt, PARAMS) for t in o["token_ids"]]
+        assert tokens == alone
+        assert set(out["timing"]) == {"queue_s", "prefill_s", "transfer_s"} and out["transfer"]["bytes"] > 0
+    for w in workers:
+        w.check_integrity()
+    assert d.stats()["free_blocks"] == 128 and p.stats()["free_blocks"] == 128
+
+
+def test_prefix_cache_reuse_is_reported(workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker]) -> None:
+    p, d, _ = workers
+    prompt = list(range(1, 30))
+    disaggregated(p, d, "a", prompt)
+    stored, _ = p.pop_block_events()
+    assert stored, "cached block hashes are reported for the prefix index"
+    _, out = disaggregated(p, d, "b", prompt + [5])
+    assert out["cached_tokens"] == 28
+
+
+def test_abort_mid_stream_frees_blocks(workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker]) -> None:
+    p, d, c = workers
+    gen = c.generate("x", [1, 2, 3], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    next(gen)
+    gen.close()  # the caller went away
+    c.check_integrity()
+    assert c.stats()["free_blocks"] == 128
+    res = d.reserve("y", 10)
+    d.release("y")
+    with pytest.raises(KVTransferError):
+        p.prefill("y", list(range(10)), PARAMS, res)  # the reservation is gone: typed error, no hang
+    p.check_integrity()
+    d.check_integrity()
+    assert p.stats()["free_blocks"] == 128 and d.stats()["free_blocks"] == 128
+
+
+def test_drain_refuses_new_work(model_dir: str) -> None:
+    c = ColocatedWorker("c1", model_dir, CFG)
+    try:
+        c.drain()
+        with pytest.raises(WorkerDraining):
+            next(c.generate("z", [1, 2], PARAMS))
+        assert c.idle()
+    finally:
+        c.shutdown()
+
+
+def test_tiny_checkpoint_without_tokenizer(model_dir: str) -> None:
+    assert not (Path(model_dir) / "tokenizer.json").exists()
