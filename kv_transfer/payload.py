@@ -27,6 +27,9 @@ SHM_DIR = "/dev/shm"
 
 class PayloadWriter(Protocol):
     def put(self, header: pb.KVChunkHeader, data: torch.Tensor) -> memoryview: ...
+    def settle(self) -> None:
+        """Called once the receiver has acknowledged every payload (after a commit)."""
+
     def close(self) -> None: ...
 
 
@@ -39,6 +42,9 @@ class InbandWriter:
     def put(self, header: pb.KVChunkHeader, data: torch.Tensor) -> memoryview:
         header.transport = "grpc"
         return tensor_bytes(data)
+
+    def settle(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -83,6 +89,9 @@ class ShmWriter:
         header.transport, header.shm_name, header.shm_offset = "shm", name, self._offset
         self._offset += n
         return memoryview(b"")
+
+    def settle(self) -> None:
+        pass
 
     def close(self) -> None:
         for name, buf in self._segments:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 import torch
 
+from kv_transfer.collective import CollectiveLink, CollectiveWriter
 from kv_transfer.errors import ChunkRejected, KVTransferError, PeerUnavailable, TransferTimeout
 from kv_transfer.payload import InbandWriter, PayloadWriter, ShmWriter
 from kv_transfer.server import MAX_MESSAGE, SERVICE
@@ -38,14 +39,20 @@ def _typed(e: grpc.RpcError, what: str) -> KVTransferError:
 
 
 class KVTransferClient:
-    """A connection to one decode worker's KV transfer server."""
+    """A connection to one decode worker's KV transfer server. The collective transport needs
+    `link`, the sender end of a CollectiveLink to that worker; the caller owns and closes it."""
 
-    def __init__(self, endpoint: str, transport: str = "grpc", timeout_s: float = 5.0) -> None:
-        if transport not in ("grpc", "shm"):
+    def __init__(
+        self, endpoint: str, transport: str = "grpc", timeout_s: float = 5.0, link: CollectiveLink | None = None
+    ) -> None:
+        if transport not in ("grpc", "shm", "collective"):
             raise ValueError(f"unknown transport {transport!r}")
+        if (transport == "collective") != (link is not None):
+            raise ValueError("the collective transport needs a CollectiveLink, and only it takes one")
         self.endpoint = endpoint
         self.transport = transport
         self.timeout_s = timeout_s
+        self.link = link
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
         self._channel = grpc.insecure_channel(endpoint, options=opts)
         self._reserve = self._channel.unary_unary(
@@ -72,6 +79,8 @@ class KVTransferClient:
 
     def push(self, request_id: str, reservation: pb.ReserveResponse, deadline_s: float | None = None) -> KVPush:
         writer: PayloadWriter = InbandWriter() if self.transport == "grpc" else ShmWriter(64 << 20)
+        if self.link is not None:
+            writer = CollectiveWriter(self.link)
         return KVPush(self, request_id, reservation, writer, deadline_s or self.timeout_s * 2)
 
     def close(self) -> None:
@@ -156,7 +165,11 @@ class KVPush:
         )
         raw = tensor_bytes(data)
         header.checksum = checksum(raw)
-        inband = self.writer.put(header, data)
+        try:
+            inband = self.writer.put(header, data)
+        except KVTransferError:
+            self.abort("payload transport failed")
+            raise
         self._put(frame(header, inband))
         self.bytes += header.payload_bytes
         self.chunks += 1
@@ -176,6 +189,7 @@ class KVPush:
             self._put(_DONE)
             t = time.monotonic()
             self._future.result(timeout=self._left())
+            self.writer.settle()  # the receiver read every payload
             done = time.monotonic()
             self.queue_wait_s += done - t
             return TransferStats(self.request_id, self.bytes, self.chunks, done - self.started, self.queue_wait_s)

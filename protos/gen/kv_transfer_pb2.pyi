@@ -45,7 +45,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class KVChunkHeader(_message.Message):
-    __slots__ = ("request_id", "transfer_token", "layer_start", "layer_end", "block_ids", "dtype", "shape", "checksum", "payload_bytes", "transport", "shm_offset", "shm_name", "commit", "num_tokens")
+    __slots__ = ("request_id", "transfer_token", "layer_start", "layer_end", "block_ids", "dtype", "shape", "checksum", "payload_bytes", "transport", "shm_offset", "shm_name", "commit", "num_tokens", "collective_seq")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class KVChunkHeader(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_token: str
     layer_start: int
@@ -74,7 +75,8 @@ class KVChunkHeader(_message.Message):
     shm_name: str
     commit: bool
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_name: _Optional[str] = ..., commit: _Optional[bool] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    collective_seq: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., shm_offset: _Optional[int] = ..., shm_name: _Optional[str] = ..., commit: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., collective_seq: _Optional[int] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("bytes", "seconds", "chunks")
