@@ -23,7 +23,8 @@ NODE_ROLES = ("prefill", "decode", "colocated")
 ROLES_ENV = "TANDEM_NODE_ROLES"
 
 # A CPU-only host (the embedded default, CI) runs one worker of each kind.
-DEFAULT_CPU_RESOURCES: dict[str, float] = {"prefill": 1.0, "decode": 1.0, "colocated": 1.0}
+# A CPU-only host runs several small workers of each role (memory, not slots, is the limit).
+DEFAULT_CPU_RESOURCES: dict[str, float] = {"prefill": 4.0, "decode": 4.0, "colocated": 4.0}
 
 # Peak memory bandwidth (GB/s) by name, for when NVML cannot report bus width and clock.
 # Checked in order, first substring match wins, so specific names come before general ones.
@@ -158,7 +159,7 @@ def node_resources(role_config: str | None = None, gpus: Sequence[GPUInfo] | Non
        override, on GPU hosts too (say, to run decode on H100s);
     2. the GPUs (`gpus`, else `gpu_inventory()`): one slot per GPU of each class,
        {"prefill": n, "decode": m}, a class with no GPU left out;
-    3. a CPU-only host: `DEFAULT_CPU_RESOURCES`, one slot each of prefill, decode and colocated.
+    3. a CPU-only host: `DEFAULT_CPU_RESOURCES`, four slots each of prefill, decode and colocated.
 
     Raises ValueError for a malformed config (see `parse_roles`).
     """

@@ -45,6 +45,16 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int(xxhash.xxh64_intdigest(data))
 
 
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of `token_ids` (what the prefix index stores)."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[i : i + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockPool:
     """Owns the physical blocks: ref counts, the LRU free queue and the hash <-> block maps."""
 

@@ -76,7 +76,7 @@ def test_node_resources_from_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_node_resources_cpu_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ROLES_ENV, raising=False)
-    assert node_resources(gpus=[]) == DEFAULT_CPU_RESOURCES == {"prefill": 1.0, "decode": 1.0, "colocated": 1.0}
+    assert node_resources(gpus=[]) == DEFAULT_CPU_RESOURCES == {"prefill": 4.0, "decode": 4.0, "colocated": 4.0}
     monkeypatch.setenv(ROLES_ENV, "  ")
     assert node_resources(gpus=[]) == DEFAULT_CPU_RESOURCES
 

@@ -1,0 +1,150 @@
+"""The P/D cluster on real Ray, a real redis-server and the real model.
+
+One cluster for the module (Ray and model loads are the slow part); tests change pool
+sizes through Redis and wait for the pool manager to reconcile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.cluster import Cluster, ClusterConfig, WorkerDiedError
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import EngineError
+from engine.kv_cache import prefix_hashes
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster.connect(
+        ClusterConfig(namespace="itest", engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1))
+    )
+    try:
+        c.wait_ready(240)
+        yield c
+    finally:
+        c.shutdown()
+
+
+def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def count(c: Cluster, role: str, state: str = "up") -> int:
+    return sum(1 for w in c.workers() if w["role"] == role and w["state"] == state and "free_blocks" in w)
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    assert tok is not None
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def tokens_of(outs: list[dict[str, Any]]) -> list[int]:
+    return [t for o in outs for t in o["token_ids"]]
+
+
+def test_parity_with_one_engine_and_colocated(cluster: Cluster, engine_fp32: Engine) -> None:
+    cluster.scale("colocated", 1)
+    until(lambda: count(cluster, "colocated") == 1, 180, "a colocated worker")
+    for q in ["What is the capital of France?", "Write one sentence about rivers."]:
+        ids = chat(engine_fp32, q)
+        outs = list(cluster.generate(ids, GREEDY))
+        expected = engine_fp32.generate([ids], GREEDY)[0].token_ids
+        assert tokens_of(outs) == expected
+        assert set(outs[0]["timing"]) == {"queue_s", "prefill_s", "transfer_s"} and outs[0]["transfer"]["bytes"] > 0
+        (colo,) = [h for wid, h in cluster.handles().items() if wid.startswith("c")]
+        gen = colo.generate.options(num_returns="streaming").remote("colo-" + q[:8], ids, GREEDY)
+        assert tokens_of([ray.get(r) for r in gen]) == expected
+    cluster.scale("colocated", 0)
+    until(lambda: count(cluster, "colocated", "up") == 0, 60, "the colocated worker to drain")
+    cluster.check_integrity()
+
+
+def test_prefix_index_routes_to_the_worker_that_holds_it(cluster: Cluster, engine_fp32: Engine) -> None:
+    cluster.scale("prefill", 2)
+    until(lambda: count(cluster, "prefill") == 2, 180, "two prefill workers")
+    history = chat(engine_fp32, "Here is a long story about a lighthouse keeper. " * 12)
+    first = next(iter(cluster.generate(history, GREEDY)))
+    holder = first["prefill_worker"]
+    hashes = prefix_hashes(history[:-1], cluster.config.engine.block_size)
+    until(lambda: cluster.state.longest_prefix(hashes, [holder]).get(holder, 0) == len(hashes), 10, "the index")
+    second = next(iter(cluster.generate(history + [198, 504], GREEDY)))
+    assert second["prefill_worker"] == holder
+    assert second["cached_tokens"] > 0
+    cluster.scale("prefill", 1)
+    until(lambda: count(cluster, "prefill") == 1, 60, "prefill back to 1")
+    cluster.check_integrity()
+
+
+def test_scaling_decode_up_and_down_loses_no_request(cluster: Cluster, engine_fp32: Engine) -> None:
+    cluster.scale("decode", 2)
+    until(lambda: count(cluster, "decode") == 2, 180, "two decode workers")
+    ids = chat(engine_fp32, "Count slowly from one to twenty.")
+    long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    results: list[Any] = []
+
+    def run() -> None:
+        try:
+            results.append(tokens_of(list(cluster.generate(ids, long))))
+        except Exception as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    cluster.scale("decode", 1)  # one of the two drains while requests are in flight
+    for t in threads:
+        t.join(120)
+    assert all(isinstance(r, list) and len(r) == 60 for r in results), results
+    until(lambda: count(cluster, "decode") == 1 and count(cluster, "decode", "draining") == 0, 60, "decode at 1")
+    cluster.check_integrity()
+
+
+def test_killed_decode_worker_is_replaced_and_its_requests_fail_cleanly(cluster: Cluster, engine_fp32: Engine) -> None:
+    ids = chat(engine_fp32, "Tell me a long story about a dragon.")
+    gen = cluster.generate(ids, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    first = next(gen)
+    victim = first["decode_worker"]
+    ray.kill(cluster.handles()[victim])
+    t = time.monotonic()
+    with pytest.raises((WorkerDiedError, EngineError)):
+        for _ in gen:
+            pass
+    assert time.monotonic() - t < 30
+    until(
+        lambda: victim not in {w["worker_id"] for w in cluster.workers()} and count(cluster, "decode") == 1,
+        180,
+        "a replacement decode worker",
+    )
+    assert tokens_of(list(cluster.generate(ids, GREEDY))) == engine_fp32.generate([ids], GREEDY)[0].token_ids
+    events = [e for _, e in cluster.state.events(count=1000)]
+    assert any(e.get("kind") == "worker_down" and e.get("worker_id") == victim for e in events)
+    cluster.check_integrity()
+
+
+def test_redis_restart_while_idle(cluster: Cluster, engine_fp32: Engine) -> None:
+    assert cluster._redis is not None
+    before = {w["worker_id"] for w in cluster.workers()}
+    cluster._redis.restart()  # no persistence: every key is gone
+    until(lambda: set(cluster.state.workers()) >= before, 30, "workers to re-register")
+    until(lambda: cluster.state.desired().get("decode") == 1, 30, "desired sizes restored")
+    ids = chat(engine_fp32, "Say hello.")
+    assert tokens_of(list(cluster.generate(ids, GREEDY))) == engine_fp32.generate([ids], GREEDY)[0].token_ids
+    cluster.check_integrity()
