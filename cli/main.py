@@ -13,17 +13,20 @@ def _serve(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("engine",):
-        print("usage: tandem bench engine [--json] [...]", file=sys.stderr)
+    if not argv or argv[0] not in ("engine", "transfer"):
+        print("usage: tandem bench {engine,transfer} [--json] [...]", file=sys.stderr)
         return 2
-    from bench.engine_bench import main
+    if argv[0] == "transfer":
+        from bench.transfer_bench import main
+    else:
+        from bench.engine_bench import main
 
     return main(argv[1:])
 
 
 COMMANDS = {
     "serve": (_serve, "serve the bundled model (for now: an offline generation demo)"),
-    "bench": (_bench, "benchmarks: engine"),
+    "bench": (_bench, "benchmarks: engine, transfer"),
 }
 
 

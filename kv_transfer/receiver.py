@@ -40,7 +40,6 @@ class KVReceiver:
         self._cond = threading.Condition()
         self._failed: OrderedDict[str, str] = OrderedDict()
         self._done: OrderedDict[str, TransferStats] = OrderedDict()
-        self._segments: dict[str, set[str]] = {}
 
     # ---- control ----------------------------------------------------------------------------
 
@@ -84,17 +83,10 @@ class KVReceiver:
         self.table.pop(r.request_id)
         with self.engine_lock:
             self.engine.release(r.request_id)
-        self._forget_segments(r.request_id)
         self._failed[r.request_id] = reason
         while len(self._failed) > 1024:
             self._failed.popitem(last=False)
         self._cond.notify_all()
-
-    def _forget_segments(self, request_id: str) -> None:
-        names = self._segments.pop(request_id, set())
-        shm = self.readers.get("shm")
-        if names and isinstance(shm, ShmReader):
-            shm.forget(sorted(names))
 
     # ---- data -------------------------------------------------------------------------------
 
@@ -113,8 +105,6 @@ class KVReceiver:
                     payload = reader.get(header, inband)
                 except (OSError, ValueError) as e:
                     raise ChunkRejected("bad_payload", str(e)) from e
-                if header.transport == "shm":
-                    self._segments.setdefault(r.request_id, set()).add(header.shm_name)
                 if len(payload) != header.payload_bytes:
                     raise ChunkRejected(
                         "bad_size", f"payload is {len(payload)} bytes, header says {header.payload_bytes}"
@@ -153,7 +143,6 @@ class KVReceiver:
                 raise ChunkRejected("incomplete", reason)
             r.state, r.finished = State.COMPLETE, time.monotonic()
             r.network_wait_s = network_wait_s
-            self._forget_segments(r.request_id)
             stats = TransferStats(
                 r.request_id, r.bytes, r.chunks, r.finished - (r.started or r.finished), network_wait_s
             )

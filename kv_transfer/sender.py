@@ -17,7 +17,7 @@ import torch
 
 from kv_transfer.collective import CollectiveLink, CollectiveWriter
 from kv_transfer.errors import ChunkRejected, KVTransferError, PeerUnavailable, TransferTimeout
-from kv_transfer.payload import InbandWriter, PayloadWriter, ShmWriter
+from kv_transfer.payload import InbandWriter, PayloadWriter, ShmSegmentPool, ShmWriter
 from kv_transfer.server import MAX_MESSAGE, SERVICE
 from kv_transfer.stats import TransferStats
 from kv_transfer.wire import DTYPE_NAMES, checksum, frame, tensor_bytes
@@ -53,6 +53,7 @@ class KVTransferClient:
         self.transport = transport
         self.timeout_s = timeout_s
         self.link = link
+        self._shm_pool = ShmSegmentPool()
         opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
         self._channel = grpc.insecure_channel(endpoint, options=opts)
         self._reserve = self._channel.unary_unary(
@@ -78,13 +79,14 @@ class KVTransferClient:
             return False  # the peer is gone; its lease frees the blocks
 
     def push(self, request_id: str, reservation: pb.ReserveResponse, deadline_s: float | None = None) -> KVPush:
-        writer: PayloadWriter = InbandWriter() if self.transport == "grpc" else ShmWriter(64 << 20)
+        writer: PayloadWriter = InbandWriter() if self.transport == "grpc" else ShmWriter(self._shm_pool)
         if self.link is not None:
             writer = CollectiveWriter(self.link)
         return KVPush(self, request_id, reservation, writer, deadline_s or self.timeout_s * 2)
 
     def close(self) -> None:
         self._channel.close()
+        self._shm_pool.close()
 
 
 class KVPush:
