@@ -17,7 +17,7 @@ import ray
 
 from cluster.inventory import node_resources
 from cluster.redis_server import EmbeddedRedis
-from cluster.routing import WorkerView, pick_decode, pick_prefill
+from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
 from cluster.state import ClusterState
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -135,29 +135,50 @@ class Cluster:
 
     # ---- the request path -----------------------------------------------------------------------
 
-    def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> Iterator[dict[str, Any]]:
-        """Prefill on a prefill worker, stream KV to a decode worker, yield its outputs.
-
-        Each output: token_ids, text, finished, finish_reason, ... The first one also has
-        "timing" (queue / prefill / transfer) and "transfer" (bytes, seconds, GB/s).
-        Raises NoWorkerError, WorkerDiedError, KVTransferError, InvalidRequestError."""
-        rid = request_id or uuid.uuid4().hex
-        prompt = list(prompt_ids)
+    def route(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        exclude: frozenset[str] = frozenset(),
+        policy: RoutingPolicy | None = None,
+    ) -> Route:
+        """Where a request would run now (see cluster.routing.plan_route). Raises NoWorkerError."""
         handles = self.handles()
         views = [WorkerView.of(wid, info) for wid, info in self.state.workers().items() if wid in handles]
         bs = self.config.engine.block_size
-        decode_id = pick_decode(views, -(-(len(prompt) + params.max_tokens) // bs))
-        if decode_id is None:
-            raise NoWorkerError("no decode worker is up with room for this request")
-        decode = handles[decode_id]
-        hashes = prefix_hashes(prompt, bs)
-        prefill_ids = [v.worker_id for v in views if v.role == "prefill"]
+        hashes = prefix_hashes(list(prompt_ids), bs)
+        prefill_ids = [v.worker_id for v in views if v.role == "prefill" and v.worker_id not in exclude]
         cached = self.state.longest_prefix(hashes, prefill_ids) if hashes and prefill_ids else {}
-        prefill_id = pick_prefill(views, cached)
-        if prefill_id is None:
-            raise NoWorkerError("no prefill worker is up")
+        route = plan_route(views, cached, len(prompt_ids), params.max_tokens, bs, policy, exclude)
+        if route is None:
+            raise NoWorkerError("no prefill + decode pair (or colocated worker) is up with room for this request")
+        return route
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        route: Route | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Prefill on a prefill worker, stream KV to a decode worker, yield its outputs
+        (or, for a route without prefill, run the whole request on a colocated worker).
+
+        Each output: token_ids, text, finished, finish_reason, ... The first one also has
+        "timing" (queue / prefill / transfer), "transfer" (bytes, seconds, GB/s), the workers
+        and "cached_tokens". `route` defaults to `self.route(...)`.
+        Raises NoWorkerError, WorkerDiedError, KVTransferError, InvalidRequestError."""
+        rid = request_id or uuid.uuid4().hex
+        prompt = list(prompt_ids)
+        route = route or self.route(prompt, params)
+        handles = self.handles()
+        if route.decode not in handles or (route.prefill is not None and route.prefill not in handles):
+            raise WorkerDiedError(f"a worker of {sorted(route.workers)} is gone")
+        if route.prefill is None:
+            yield from self._generate_colocated(handles[route.decode], route.decode, rid, prompt, params)
+            return
+        decode_id, prefill_id = route.decode, route.prefill
+        decode = handles[decode_id]
         try:
             reservation = ray.get(decode.reserve.remote(rid, len(prompt)), timeout=10)
             first = ray.get(handles[prefill_id].prefill.remote(rid, prompt, params, reservation), timeout=120)
@@ -174,13 +195,17 @@ class Cluster:
             "decode_worker": decode_id,
             "cached_tokens": first["cached_tokens"],
         }
+        first_logprobs = first.get("logprobs", [])
         if first["finish_reason"] is not None:  # ended at its first token (EOS, max_tokens=1)
             decode.release.remote(rid)
             yield {
                 "token_ids": [first["first_token"]],
-                "text": "",
+                "text": first.get("text", ""),
                 "finished": True,
                 "finish_reason": first["finish_reason"],
+                "num_prompt_tokens": len(prompt),
+                "num_output_tokens": 1,
+                "logprobs": first_logprobs,
                 **meta,
             }
             return
@@ -192,6 +217,8 @@ class Cluster:
                 out = dict(ray.get(ref, timeout=60))
                 if i == 0:
                     out.update(meta)
+                    # the decode side emits the prefill's first token without its logprob
+                    out["logprobs"] = [*first_logprobs, *out["logprobs"]][: len(out["token_ids"])]
                 yield out
         except ray.exceptions.RayActorError as e:
             raise WorkerDiedError(f"decode worker {decode_id} died mid-stream") from e
@@ -199,6 +226,26 @@ class Cluster:
             raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
         finally:
             decode.abort.remote(rid)
+
+    def _generate_colocated(
+        self, handle: Any, worker_id: str, rid: str, prompt: list[int], params: SamplingParams
+    ) -> Iterator[dict[str, Any]]:
+        t0 = time.monotonic()
+        gen = handle.generate.options(num_returns="streaming").remote(rid, prompt, params)
+        try:
+            for i, ref in enumerate(gen):
+                out = dict(ray.get(ref, timeout=60))
+                if i == 0:
+                    out["timing"] = {"queue_s": 0.0, "prefill_s": time.monotonic() - t0, "transfer_s": 0.0}
+                    out["transfer"] = {"bytes": 0, "seconds": 0.0, "gbps": 0.0}
+                    out.update(prefill_worker=worker_id, decode_worker=worker_id, cached_tokens=0)
+                yield out
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDiedError(f"colocated worker {worker_id} died") from e
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
+        finally:
+            handle.abort.remote(rid)
 
     def shutdown(self, kill_manager: bool = True) -> None:
         if kill_manager:

@@ -50,7 +50,8 @@ class PrefillWorker(WorkerBase):
     ) -> dict[str, Any]:
         """Prefill, stream KV to `reservation` (a serialized ReserveResponse), commit.
 
-        Returns {"first_token", "finish_reason" (None unless the request already ended),
+        Returns {"first_token", its "text" and "logprobs" (as the decode side's outputs carry them),
+        "finish_reason" (None unless the request already ended),
         "timing": {queue_s, prefill_s, transfer_s}, "transfer": stats, "cached_tokens"}.
         Raises KVTransferError (the decode side frees its lease), InvalidRequestError."""
         self._check_open()
@@ -81,6 +82,8 @@ class PrefillWorker(WorkerBase):
             self._collect_block_events()
         return {
             "first_token": first.new_token_ids[0],
+            "text": first.new_text,
+            "logprobs": [(lp.token_id, lp.logprob, list(lp.top)) for lp in first.logprobs],
             "finish_reason": None if first.finish_reason == "prefill_done" else first.finish_reason,
             "cached_tokens": first.num_cached_tokens,
             "timing": {

@@ -4,9 +4,17 @@ import pytest
 import torch
 
 from engine.model import LlamaModel
+from engine.model_files import default_model_path
+from engine.tokenizer import Tokenizer
 from tests.unit.tiny import TINY, tiny_weights
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaModel:
     return LlamaModel(TINY, tiny_weights(), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer() -> Tokenizer:
+    """The bundled model's real tokenizer (metadata only, no weights)."""
+    return Tokenizer.load(default_model_path())

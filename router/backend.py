@@ -1,0 +1,125 @@
+"""The boundary between the router and the cluster: the `Backend` protocol and its real adapter.
+
+Every Backend method blocks (Ray, Redis); the router calls them on worker threads. Unit tests
+pass a fake Backend to `create_app`; the service passes `ClusterBackend(Cluster.connect(...))`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cluster.routing import Route, RoutingPolicy
+from engine.gguf_file import GGUFFile
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from cluster.cluster import Cluster
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The one model a backend serves. max_model_len: prompt + output tokens one request may use."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    created: int = 0
+
+
+class Backend(Protocol):
+    """What the router needs of a cluster."""
+
+    model: ModelInfo
+
+    def route(self, prompt_ids: Sequence[int], params: SamplingParams, exclude: frozenset[str]) -> Route:
+        """Where the request would run now, avoiding `exclude`. Raises cluster.cluster.NoWorkerError."""
+        ...
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+    ) -> Iterator[dict[str, Any]]:
+        """Run the request on `route`; outputs as `Cluster.generate` yields them. Closing the
+        iterator aborts the request and frees its KV on every worker it touched."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """{"desired": {role: n}, "workers": [{worker_id, role, state, node, running, waiting,
+        free_blocks, num_blocks, kv_usage, draining, ...}]}."""
+        ...
+
+    def scale(self, role: str, replicas: int) -> None: ...
+
+    def drain(self, worker_id: str) -> bool:
+        """Drain one worker; False if no such worker."""
+        ...
+
+    def ready(self) -> bool:
+        """True when a request could be served: a prefill and a decode worker up, or a colocated one."""
+        ...
+
+
+def is_up(worker: dict[str, Any]) -> bool:
+    return worker.get("state") == "up" and "free_blocks" in worker and not worker.get("draining", False)
+
+
+def ready_from(workers: Sequence[dict[str, Any]]) -> bool:
+    roles = {w.get("role") for w in workers if is_up(w)}
+    return {"prefill", "decode"} <= roles or "colocated" in roles
+
+
+def context_length(path: str | Path) -> int:
+    """The checkpoint's trained context (GGUF `{arch}.context_length` or config.json)."""
+    path = Path(path)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text())["max_position_embeddings"])
+    fields = GGUFFile(path).fields
+    return int(fields[f"{fields['general.architecture']}.context_length"])
+
+
+def model_name(path: str | Path) -> str:
+    """`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`; a directory -> its name."""
+    path = Path(path)
+    return path.name if path.is_dir() else path.name.split(".")[0]
+
+
+class ClusterBackend:
+    """Backend over a live `Cluster`."""
+
+    def __init__(self, cluster: Cluster, policy: RoutingPolicy | None = None, name: str = "") -> None:
+        self.cluster = cluster
+        self.policy = policy or RoutingPolicy()
+        path = cluster.config.model_path
+        engine = cluster.config.engine
+        # A decode worker must hold prompt + output: its whole cache bounds one request too.
+        limit = min(context_length(path), engine.num_blocks * engine.block_size)
+        if engine.max_model_len:
+            limit = min(limit, engine.max_model_len)
+        self.model = ModelInfo(name or model_name(path), Tokenizer.load(path), limit, int(time.time()))
+
+    def route(self, prompt_ids: Sequence[int], params: SamplingParams, exclude: frozenset[str]) -> Route:
+        return self.cluster.route(prompt_ids, params, exclude, self.policy)
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+    ) -> Iterator[dict[str, Any]]:
+        return self.cluster.generate(prompt_ids, params, request_id, route)
+
+    def status(self) -> dict[str, Any]:
+        return self.cluster.status()
+
+    def scale(self, role: str, replicas: int) -> None:
+        self.cluster.scale(role, replicas)
+
+    def drain(self, worker_id: str) -> bool:
+        return self.cluster.drain(worker_id)
+
+    def ready(self) -> bool:
+        return ready_from(self.cluster.workers())

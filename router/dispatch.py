@@ -1,0 +1,232 @@
+"""One request's run: admission, a route, retries before the first token, the token stream.
+
+arrival -> Admission.acquire -> route -> generate -> first output -> ... -> finished
+             (429 when full)      ^  a failure before the first token: exclude
+                                  +- that pair and try again (max_attempts in all)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+from cluster.cluster import NoWorkerError
+from cluster.routing import Route, retry_exclusions
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from router.admission import Admission
+from router.backend import Backend
+from router.metrics import Metrics
+from router.pump import ThreadPump
+from router.settings import RouterSettings
+
+log = logging.getLogger("tandem.router")
+access_log = logging.getLogger("tandem.router.requests")
+
+
+class StreamEndedError(RuntimeError):
+    """The worker's stream stopped before the request finished (or was aborted there)."""
+
+
+@dataclass
+class Trace:
+    """Where one request's time went and what it used (monotonic clock); one per HTTP request."""
+
+    request_id: str
+    endpoint: str
+    stream: bool = False
+    priority: int = 0
+    user: str | None = None
+    t_arrival: float = field(default_factory=time.monotonic)
+    router_queue_s: float = 0.0
+    t_dispatch: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    first: dict[str, Any] = field(default_factory=dict)
+    engine_ids: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    status: int = 200
+    error: str | None = None
+    recorded: bool = False
+
+    def timing(self) -> dict[str, Any]:
+        """queue (router + worker), prefill, transfer, first decode (transfer done to first token
+        back here), decode (first to last token), plus TTFT, E2E and where it ran."""
+        w = self.first.get("timing", {})
+        worker_queue, prefill, transfer = (float(w.get(k, 0.0)) for k in ("queue_s", "prefill_s", "transfer_s"))
+        end = self.t_last or time.monotonic()
+        first = self.t_first or end
+        moved = self.first.get("transfer", {})
+        out = {
+            "queue_s": self.router_queue_s + worker_queue,
+            "prefill_s": prefill,
+            "transfer_s": transfer,
+            "first_decode_s": max(0.0, first - (self.t_dispatch or first) - worker_queue - prefill - transfer),
+            "decode_s": end - first,
+            "ttft_s": first - self.t_arrival,
+            "e2e_s": end - self.t_arrival,
+        }
+        return {
+            **{k: round(v, 6) for k, v in out.items()},
+            "prefill_worker": self.first.get("prefill_worker"),
+            "decode_worker": self.first.get("decode_worker"),
+            "cached_tokens": self.first.get("cached_tokens", 0),
+            "transfer_bytes": moved.get("bytes", 0),
+            "transfer_gbps": moved.get("gbps", 0.0),
+            "attempts": len(self.engine_ids),
+        }
+
+    def log_line(self) -> str:
+        fields = {k: v for k, v in asdict(self).items() if not k.startswith("t_") and k not in ("first", "recorded")}
+        return json.dumps({"event": "request", **fields, "timing": self.timing()}, default=str)
+
+
+class Run:
+    """An admitted request with its first output in hand. `close()` exactly once (idempotent)."""
+
+    def __init__(self, pump: ThreadPump[dict[str, Any]], first: dict[str, Any], trace: Trace, d: Dispatcher) -> None:
+        self._pump = pump
+        self._first: dict[str, Any] | None = first
+        self._trace = trace
+        self._d = d
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[dict[str, Any]]:
+        """The backend's outputs until one is finished. Raises StreamEndedError, or what the backend raised."""
+        trace, m = self._trace, self._d.metrics
+        while True:
+            if self._first is not None:
+                out, self._first = self._first, None
+            else:
+                nxt = await self._pump.next()
+                if nxt is None:
+                    raise StreamEndedError("the worker's token stream ended early")
+                out = nxt
+                now = time.monotonic()
+                n = len(out.get("token_ids", []))
+                if n:
+                    gap = (now - trace.t_last) / n
+                    for _ in range(n):
+                        m.itl.observe(gap)
+                trace.t_last = now
+            trace.completion_tokens += len(out.get("token_ids", []))
+            if out.get("finish_reason") == "abort":
+                raise StreamEndedError("the request was aborted on the worker")
+            yield out
+            if out.get("finished"):
+                trace.finish_reason = out.get("finish_reason")
+                return
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pump.close()
+            self._d.admission.release()
+
+
+class Dispatcher:
+    def __init__(self, backend: Backend, settings: RouterSettings, metrics: Metrics) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.metrics = metrics
+        self.admission = Admission(settings.max_running, settings.max_waiting, settings.max_waiting_total)
+        metrics.running.set_function(lambda: self.admission.running)
+        metrics.waiting.set_function(lambda: self.admission.waiting)
+
+    async def start(self, prompt_ids: Sequence[int], params: SamplingParams, trace: Trace) -> Run:
+        """Admit, route and get the first output. Raises Saturated, NoWorkerError, InvalidRequestError,
+        or the last attempt's error."""
+        trace.router_queue_s = await self.admission.acquire(trace.priority, self.settings.queue_timeout_s)
+        self.metrics.queue_time.observe(trace.router_queue_s)
+        try:
+            run = await self._first(list(prompt_ids), params, trace)
+        except BaseException:
+            self.admission.release()
+            raise
+        return run
+
+    async def _first(self, prompt: list[int], params: SamplingParams, trace: Trace) -> Run:
+        failed: list[Route] = []
+        last_error: Exception | None = None
+        while True:
+            try:
+                route = await self._route(prompt, params, failed)
+            except NoWorkerError:
+                if last_error is None:
+                    raise
+                raise last_error from None  # nowhere else to try: the failure itself says more
+            engine_id = f"{trace.request_id}.{uuid.uuid4().hex[:8]}"
+            trace.engine_ids.append(engine_id)
+            trace.t_dispatch = time.monotonic()
+            pump: ThreadPump[dict[str, Any]] = ThreadPump(
+                partial(self.backend.generate, prompt, params, engine_id, route), name=f"req-{engine_id}"
+            )
+            try:
+                first = await pump.next()
+                if first is None:
+                    raise StreamEndedError("the worker's token stream was empty")
+            except InvalidRequestError:
+                pump.close()
+                raise
+            except Exception as e:
+                pump.close()
+                failed.append(route)
+                last_error = e
+                if len(failed) >= self.settings.max_attempts:
+                    raise
+                log.warning("request %s failed on %s before its first token (%r); retrying", engine_id, route, e)
+                self.metrics.retries.inc()
+                continue
+            except BaseException:
+                pump.close()
+                raise
+            trace.t_first = trace.t_last = time.monotonic()
+            trace.first = {k: v for k, v in first.items() if k not in ("token_ids", "text", "logprobs")}
+            self._observe_first(trace)
+            return Run(pump, first, trace, self)
+
+    async def _route(self, prompt: list[int], params: SamplingParams, failed: list[Route]) -> Route:
+        """A route; after failures, one that is not a pair already tried. Raises NoWorkerError."""
+        if not failed:
+            return await asyncio.to_thread(self.backend.route, prompt, params, frozenset())
+        tried = {r.workers for r in failed}
+        for exclude in retry_exclusions(failed):
+            try:
+                route = await asyncio.to_thread(self.backend.route, prompt, params, exclude)
+            except NoWorkerError:
+                continue
+            if route.workers not in tried:
+                return route
+        raise NoWorkerError(f"no other worker pair to retry on after {len(failed)} failure(s)")
+
+    def _observe_first(self, trace: Trace) -> None:
+        m = self.metrics
+        m.ttft.observe(trace.t_first - trace.t_arrival)
+        m.prefill_time.observe(float(trace.first.get("timing", {}).get("prefill_s", 0.0)))
+        m.observe_transfer(trace.first.get("transfer", {}))
+        m.cached_tokens.inc(int(trace.first.get("cached_tokens", 0)))
+
+    def finish(self, trace: Trace) -> None:
+        """Record a request that has ended, well or not: metrics and its one log line (once)."""
+        if trace.recorded:
+            return
+        trace.recorded = True
+        m = self.metrics
+        if trace.status == 200 and trace.finish_reason is not None:
+            m.e2e.observe((trace.t_last or time.monotonic()) - trace.t_arrival)
+            m.success.labels(trace.finish_reason).inc()
+        elif trace.status != 200:
+            m.rejected.labels(str(trace.status)).inc()
+        if trace.t_first:
+            m.prompt_tokens.inc(trace.prompt_tokens)
+            m.generation_tokens.inc(trace.completion_tokens)
+        access_log.info(trace.log_line())

@@ -1,0 +1,196 @@
+"""The /v1 endpoints: models, chat completions and completions, whole or streamed as SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.auth import api_key_check
+from router.dispatch import Dispatcher, Run, Trace
+from router.errors import APIError, as_api_error
+from router.requests import ChatCompletionRequest, CompletionRequest
+from router.responses import Shape, sse, usage
+
+CLIENT_GONE = 499  # nginx's "client closed request", for the log line and metrics
+
+
+class EventStream(StreamingResponse):
+    """SSE that always ends its request, on a client disconnect included, so that the request is
+    aborted on the workers and its KV freed at once: the body generator is closed, then `on_close`
+    runs (which must be idempotent: it also covers a body that never started)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content)
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                aclose = getattr(self._content, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build(d: Dispatcher) -> APIRouter:
+    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(d.settings))])
+    model = d.backend.model
+    name = d.settings.model_name or model.name
+
+    @api.get("/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": model.created, "owned_by": "tandem",
+                "max_model_len": model.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @api.post("/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        def prompt() -> list[int]:
+            text = model.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+            return model.tokenizer.encode(text)
+
+        return await _serve(d, request, body, "chat", prompt, body.max_new, body.logprobs_n)
+
+    @api.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(d, request, body, "completion", lambda: body.prompt_ids(model), body.max_tokens,
+                            body.logprobs)  # fmt: skip
+
+    return api
+
+
+async def _serve(
+    d: Dispatcher,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    kind: str,
+    prompt: Callable[[], list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> Response:
+    rid: str = request.state.request_id
+    trace = Trace(rid, kind, stream=body.stream, priority=body.priority, user=body.user)
+    model = d.backend.model
+    try:
+        if body.model != (d.settings.model_name or model.name):
+            raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
+        body.check_supported()
+        prompt_ids = await asyncio.to_thread(prompt)
+        trace.prompt_tokens = len(prompt_ids)
+        params = body.sampling(len(prompt_ids), model, d.settings.default_max_tokens, max_tokens, logprobs)
+        run = await d.start(prompt_ids, params, trace)
+    except Exception as e:
+        return _failed(d, trace, e)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    shape = Shape(kind, prefix + rid, d.settings.model_name or model.name, model.tokenizer)
+    if body.stream:
+        return EventStream(_events(d, run, shape, trace, body.include_usage), lambda: _end(d, run, trace))
+    return await _whole(d, run, shape, trace, request)
+
+
+def _failed(d: Dispatcher, trace: Trace, e: Exception) -> JSONResponse:
+    err = as_api_error(e, d.settings.retry_after_s)
+    trace.status, trace.error = err.status, err.message
+    d.finish(trace)
+    return err.response()
+
+
+async def _whole(d: Dispatcher, run: Run, shape: Shape, trace: Trace, request: Request) -> Response:
+    texts: list[str] = []
+    entries: list[Any] = []
+
+    async def collect() -> None:
+        async for out in run.outputs():
+            texts.append(out.get("text", ""))
+            entries.extend(out.get("logprobs") or [])
+
+    try:
+        done = await _unless_disconnected(request, collect())
+    except Exception as e:
+        return _failed(d, trace, e)
+    finally:
+        run.close()
+    if not done:
+        trace.status = CLIENT_GONE
+        d.finish(trace)
+        return Response(status_code=CLIENT_GONE)
+    d.finish(trace)
+    counts = usage(trace.prompt_tokens, trace.completion_tokens)
+    body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
+    return JSONResponse(body, headers={"x-tandem-timing": json.dumps(trace.timing(), separators=(",", ":"))})
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+    """Run `work`; False (and `work` cancelled) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+    if not task.done() or task.cancelled():
+        return False
+    task.result()
+    return True
+
+
+async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_usage: bool) -> AsyncIterator[bytes]:
+    def tandem() -> dict[str, Any]:
+        return {"request_id": trace.request_id, "timing": trace.timing()}
+
+    chat = shape.kind == "chat"
+    offset = 0
+    try:
+        if chat:
+            yield sse(shape.chunk("", role=True, include_usage=include_usage))
+        async for out in run.outputs():
+            text = out.get("text", "")
+            lp = shape.logprobs(out.get("logprobs") or [], offset)
+            offset += len(text)
+            finish = out.get("finish_reason") if out.get("finished") else None
+            if chat and (text or lp):
+                yield sse(shape.chunk(text, None, lp, include_usage=include_usage))
+            if finish or (not chat and (text or lp)):
+                body = shape.chunk(None if chat else text, finish, None if chat else lp, include_usage=include_usage)
+                if finish and not include_usage:
+                    body["tandem"] = tandem()  # the timing breakdown rides on the last chunk
+                yield sse(body)
+        if include_usage:
+            yield sse({**shape.usage_chunk(usage(trace.prompt_tokens, trace.completion_tokens)), "tandem": tandem()})
+        yield sse("[DONE]")
+    except Exception as e:
+        err = as_api_error(e, d.settings.retry_after_s)
+        trace.status, trace.error = err.status, err.message
+        yield sse(err.body())
+        yield sse("[DONE]")
+    finally:
+        _end(d, run, trace)
+
+
+def _end(d: Dispatcher, run: Run, trace: Trace) -> None:
+    run.close()
+    if trace.status == 200 and trace.finish_reason is None:
+        trace.status = CLIENT_GONE
+    d.finish(trace)

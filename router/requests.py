@@ -1,0 +1,174 @@
+"""OpenAI request bodies (pydantic, strict types) and what they become: token ids and SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.sampling_params import SamplingParams
+from router.backend import ModelInfo
+from router.errors import APIError
+
+_I64 = 2**63
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do; known ones are type-checked strictly.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Common(_Body):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # -1 and 0: off
+    seed: int | None = Field(default=None, ge=-_I64, lt=2 * _I64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    priority: int = Field(default=0, ge=-100, le=100)  # extension: lower runs first (vLLM's convention)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        """Refuse, with a message, what this server does not do (rather than ignore it)."""
+        if self.n != 1:
+            raise APIError(400, f"n must be 1: this server returns one choice per request (got {self.n})", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > 16:
+            raise APIError(400, "at most 16 stop sequences", param="stop")
+
+    def sampling(
+        self, prompt_len: int, model: ModelInfo, default_max: int, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """SamplingParams for a prompt of `prompt_len` tokens. Raises PromptTooLongError (413),
+        InvalidRequestError (400) for what does not fit the context or the engine refuses."""
+        limit = model.max_model_len
+        if prompt_len >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_len} tokens; this model's context is {limit} tokens",
+                "messages" if isinstance(self, ChatCompletionRequest) else "prompt",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
+                "max_tokens",
+            )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else min(default_max, limit - prompt_len),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            seed=self.seed,
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            priority=self.priority,
+        )
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1", param="best_of")
+
+    def prompt_ids(self, model: ModelInfo) -> list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request (send a string, or a list with one string)", param="prompt")
+            p = str(p[0])
+        if isinstance(p, str):
+            ids = model.tokenizer.encode(p)
+        else:
+            ids = [int(t) for t in p]
+            vocab = model.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return ids
+
+
+class ScaleBody(_Body):
+    replicas: int = Field(ge=0)
+
+
+class RebalanceBody(_Body):
+    prefill: int = Field(ge=0)
+    decode: int = Field(ge=0)

@@ -1,0 +1,117 @@
+"""OpenAI response bodies: whole answers, stream chunks and logprobs, for chat and plain completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+
+# One engine logprob entry: (token_id, logprob, [(top_id, top_logprob), ...]).
+LogprobEntry = Sequence[Any]
+
+
+@dataclass
+class Shape:
+    """What every body of one response shares."""
+
+    kind: str  # "chat" | "completion"
+    id: str
+    model: str
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, entries: Sequence[LogprobEntry], offset: int = 0) -> dict[str, Any] | None:
+        """The `logprobs` object of a choice; None when none were asked for."""
+        if not entries:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        tokens = [self._token(int(e[0])) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [float(e[1]) for e in entries],
+            "top_logprobs": [{self._token(int(i)): float(lp) for i, lp in e[2]} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, e: LogprobEntry) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+        return {**one(int(e[0]), float(e[1])), "top_logprobs": [one(int(i), float(lp)) for i, lp in e[2]]}
+
+    def _choice(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None, delta: bool) -> Any:
+        if self.kind == "completion":
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        if delta:
+            body: dict[str, Any] = {} if text is None else {"content": text}
+            return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def whole(
+        self, text: str, finish: str | None, usage: dict[str, int], logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(text, finish, logprobs, delta=False)],
+            "usage": usage,
+        }
+
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        *,
+        role: bool = False,
+        include_usage: bool = False,
+    ) -> dict[str, Any]:
+        choice = self._choice(text, finish, logprobs, delta=True)
+        if role:
+            choice["delta"] = {"role": "assistant", **choice["delta"]}
+        body = {
+            "id": self.id,
+            "object": self.object + ("" if self.kind == "completion" else ".chunk"),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self.chunk(None), "choices": [], "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(body: dict[str, Any] | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

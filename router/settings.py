@@ -1,0 +1,48 @@
+"""RouterSettings: the router's service configuration (pydantic, validated at the edge)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RouterSettings(BaseModel):
+    """How the router listens, admits, retries and authenticates. Frozen once built.
+
+    max_running requests run in the backend at once; beyond that up to max_waiting wait per
+    priority level (max_waiting_total in all) for at most queue_timeout_s; past either bound
+    the router answers 429 with Retry-After. admin_token None disables the admin API (403)
+    unless allow_loopback_admin and the caller is on loopback. Non-empty api_keys make /v1 ask
+    for `Authorization: Bearer <key>`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    model_name: str = ""  # "" = the backend's name for its model
+    max_running: int = Field(default=64, ge=1)
+    max_waiting: int = Field(default=64, ge=0)
+    max_waiting_total: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    retry_after_s: int = Field(default=1, ge=1)
+    max_attempts: int = Field(default=2, ge=1, le=5)
+    default_max_tokens: int = Field(default=256, ge=1)
+    admin_token: str | None = None
+    allow_loopback_admin: bool = False
+    api_keys: tuple[str, ...] = ()
+    max_replicas: int = Field(default=64, ge=1)
+    colocate_below_tokens: int = Field(default=0, ge=0)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> RouterSettings:
+        """Settings with TANDEM_ADMIN_TOKEN and TANDEM_API_KEYS (comma-separated) read from the environment."""
+        env: dict[str, Any] = {}
+        if os.environ.get("TANDEM_ADMIN_TOKEN"):
+            env["admin_token"] = os.environ["TANDEM_ADMIN_TOKEN"]
+        keys = tuple(k.strip() for k in os.environ.get("TANDEM_API_KEYS", "").split(",") if k.strip())
+        if keys:
+            env["api_keys"] = keys
+        return cls(**{**env, **overrides})

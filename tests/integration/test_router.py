@@ -1,0 +1,247 @@
+"""The router over a real cluster (Ray, redis-server, the real model), spoken to with the
+official `openai` SDK and plain httpx, served by uvicorn on a loopback port.
+
+One cluster and one router for the module; tests that resize pools put them back to 1 + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli.admin import main as admin_cli
+from cluster.cluster import Cluster, ClusterConfig
+from cluster.routing import RoutingPolicy
+from engine.config import EngineConfig
+from router.app import create_app
+from router.backend import ClusterBackend
+from router.settings import RouterSettings
+
+TOKEN = "itest-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster.connect(
+        ClusterConfig(namespace="router-itest", engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1))
+    )
+    try:
+        c.wait_ready(240)
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(cluster: Cluster) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Prompts under 32 uncached tokens run colocated when a colocated worker is up (none is, by default).
+    backend = ClusterBackend(cluster, RoutingPolicy(colocate_below_tokens=32))
+    app = create_app(backend, RouterSettings(port=port, admin_token=TOKEN))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    until(lambda: server.started, 30, "uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model(url: str) -> str:
+    return str(httpx.get(f"{url}/v1/models").json()["data"][0]["id"])
+
+
+@pytest.fixture
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="anything", max_retries=0, timeout=120)
+
+
+def until(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def up(url: str, role: str) -> int:
+    pools = httpx.get(f"{url}/admin/pools", headers=ADMIN, timeout=30).json()
+    draining = sum(1 for w in pools["workers"] if w["role"] == role and w["state"] != "up")
+    return int(pools["up"][role]) if draining == 0 else -1
+
+
+def test_openai_sdk_chat_and_completions(sdk: openai.OpenAI, model: str) -> None:
+    assert [m.id for m in sdk.models.list()] == [model]
+    whole = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage is not None and whole.usage.prompt_tokens > 10 and whole.usage.completion_tokens >= 1
+    stream = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert (chunks[-1].model_extra or {})["tandem"]["timing"]["prefill_worker"]
+
+    done = sdk.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert done.usage is not None and done.usage.completion_tokens == 12 and done.choices[0].finish_reason == "length"
+    streamed = sdk.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+    lp = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, logprobs=True, top_logprobs=2)
+    assert lp.choices[0].logprobs is not None and lp.usage is not None
+    content = lp.choices[0].logprobs.content or []
+    assert len(content) == lp.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+
+    seeded = [
+        sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0.9, seed=1234)
+        for _ in range(2)
+    ]
+    assert seeded[0].choices[0].message.content == seeded[1].choices[0].message.content
+
+
+def test_bad_input_is_refused_and_the_router_stays_ready(url: str, model: str) -> None:
+    chat = f"{url}/v1/chat/completions"
+    cases: list[tuple[Any, int]] = [
+        (b"{not json", 400),
+        ({"model": model}, 400),
+        ({"model": model, "messages": []}, 400),
+        ({"model": model, "messages": QUESTION, "max_tokens": -3}, 400),
+        ({"model": model, "messages": QUESTION, "max_tokens": 10**8}, 400),
+        ({"model": model, "messages": QUESTION, "temperature": "warm"}, 400),
+        ({"model": model, "messages": QUESTION, "top_p": 2}, 400),
+        ({"model": model, "messages": QUESTION, "n": 2}, 400),
+        ({"model": "no-such-model", "messages": QUESTION}, 404),
+        ({"model": model, "messages": [{"role": "user", "content": "lorem ipsum " * 3000}]}, 413),
+    ]
+    for body, status in cases:
+        kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(chat, headers={"content-type": "application/json"}, timeout=60, **kwargs)
+        assert r.status_code == status, (body if isinstance(body, bytes) else str(body)[:80], r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{url}/ready").json() == {"ready": True}
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_disconnect_mid_stream_frees_kv_on_both_workers(url: str, model: str, cluster: Cluster) -> None:
+    body = {"model": model, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(8), strict=False) if line.startswith("data: ")]
+        assert len(got) >= 3
+    t = time.monotonic()  # the client is gone: the decode worker must abort and free its blocks
+
+    def all_free() -> bool:
+        stats = ray.get([h.stats.remote() for h in cluster.handles().values()], timeout=10)
+        return all(s["free_blocks"] == s["num_blocks"] and s["running"] == 0 for s in stats)
+
+    until(all_free, 1.0, "every block back", every=0.05)
+    assert time.monotonic() - t < 1.0
+    cluster.check_integrity()
+    until(lambda: all(w.get("free_blocks") == w.get("num_blocks") for w in cluster.workers()), 5, "heartbeats")
+
+
+def test_admin_scales_pools_and_cache_aware_routing(url: str, model: str, cluster: Cluster) -> None:
+    assert httpx.get(f"{url}/admin/pools").status_code == 401
+    assert httpx.post(f"{url}/admin/pools/decode", json={"replicas": 2}).status_code == 401
+    r = httpx.post(f"{url}/admin/pools/decode", json={"replicas": 2}, headers=ADMIN)
+    assert r.status_code == 200 and r.json() == {"role": "decode", "replicas": 2}
+    assert httpx.post(f"{url}/admin/pools/prefill", json={"replicas": 2}, headers=ADMIN).status_code == 200
+    until(lambda: up(url, "decode") == 2 and up(url, "prefill") == 2, 240, "2 prefill + 2 decode workers")
+    pools = httpx.get(f"{url}/admin/pools", headers=ADMIN).json()
+    assert pools["desired"]["decode"] == 2 and all("kv_usage" in w and w["node"] for w in pools["workers"])
+
+    story = "Here is a long story about a lighthouse keeper and the sea. " * 14
+    history = [{"role": "user", "content": story}]
+    chat = f"{url}/v1/chat/completions"
+    first = httpx.post(chat, json={"model": model, "messages": history, "max_tokens": 8, "temperature": 0}, timeout=120)
+    holder = json.loads(first.headers["x-tandem-timing"])["prefill_worker"]
+    reply = first.json()["choices"][0]["message"]["content"]
+    time.sleep(1.5)  # prefill workers publish their cached blocks to the index on their heartbeat
+    follow = [*history, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    for stream in (False, True):
+        body = {"model": model, "messages": follow, "max_tokens": 8, "temperature": 0, "stream": stream}
+        r = httpx.post(chat, json=body, timeout=120)
+        if stream:
+            last = json.loads([x for x in r.text.split("\n\n") if x.startswith("data: {")][-1].removeprefix("data: "))
+            timing = last["tandem"]["timing"]
+        else:
+            timing = json.loads(r.headers["x-tandem-timing"])
+        assert timing["prefill_worker"] == holder and timing["cached_tokens"] > 0, timing
+
+    assert httpx.post(f"{url}/admin/rebalance", json={"prefill": 1, "decode": 1}, headers=ADMIN).status_code == 200
+    until(lambda: up(url, "decode") == 1 and up(url, "prefill") == 1, 120, "pools back to 1 + 1")
+    cluster.check_integrity()
+
+
+def test_conditional_disaggregation_runs_a_short_prompt_colocated(url: str, model: str, cluster: Cluster) -> None:
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
+    pd = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    pd_timing = json.loads(pd.headers["x-tandem-timing"])
+    assert pd_timing["prefill_worker"] != pd_timing["decode_worker"] and pd_timing["transfer_bytes"] > 0
+    assert httpx.post(f"{url}/admin/pools/colocated", json={"replicas": 1}, headers=ADMIN).status_code == 200
+    until(lambda: up(url, "colocated") == 1, 180, "a colocated worker")
+    colo = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    timing = json.loads(colo.headers["x-tandem-timing"])
+    assert timing["prefill_worker"] == timing["decode_worker"] and timing["transfer_bytes"] == 0, timing
+    assert colo.json()["choices"][0]["text"] == pd.json()["choices"][0]["text"]
+    assert colo.json()["usage"] == pd.json()["usage"]
+    long = {**body, "prompt": "The capital of France is a city that " * 8}  # over 32 tokens: P/D
+    assert (
+        json.loads(httpx.post(f"{url}/v1/completions", json=long, timeout=60).headers["x-tandem-timing"])[
+            "transfer_bytes"
+        ]
+        > 0
+    )
+    assert httpx.post(f"{url}/admin/pools/colocated", json={"replicas": 0}, headers=ADMIN).status_code == 200
+    until(lambda: up(url, "colocated") == 0, 60, "the colocated worker to go")
+    cluster.check_integrity()
+
+
+def test_admin_cli(url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN", raising=False)
+    assert admin_cli(["--url", url, "rebalance", "1", "1"]) == 1  # 401 without the token
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", TOKEN)
+    assert admin_cli(["--url", url, "pools"]) == 0
+    assert json.loads(capsys.readouterr().out)["up"]["decode"] == 1
+    assert admin_cli(["--url", url, "drain", "no-such-worker"]) == 1
+
+
+def test_metrics_parse_and_move(url: str, model: str) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+    before = scrape()
+    httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 5}, timeout=60)
+    after = scrape()
+    for name in ("tandem:time_to_first_token_seconds_count", "tandem:e2e_request_latency_seconds_count",
+                 "tandem:kv_transfer_bytes_count", "tandem:kv_transfer_gbps_count"):  # fmt: skip
+        assert after[name] == before[name] + 1, name
+    assert after["tandem:generation_tokens_total"] >= before["tandem:generation_tokens_total"] + 1
+    assert after["tandem:prompt_tokens_total"] > before["tandem:prompt_tokens_total"]
+    assert "tandem:num_requests_running" in after

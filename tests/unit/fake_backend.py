@@ -1,0 +1,127 @@
+"""A Backend for the router's unit tests: scripted workers and token streams, no Ray.
+
+It routes with the real pure policy (cluster.routing.plan_route) over its worker dicts and
+streams a fixed text, one token per output, recording what was opened and closed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.cluster import NoWorkerError, WorkerDiedError
+from cluster.routing import Route, WorkerView, plan_route
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from router.app import create_app
+from router.backend import ModelInfo, ready_from
+from router.settings import RouterSettings
+
+TEXT = " The quick brown fox jumps over the lazy dog, again and again, until the day is done."
+
+
+def worker(worker_id: str, role: str, **info: Any) -> dict[str, Any]:
+    base = {"worker_id": worker_id, "role": role, "state": "up", "node": "n1", "free_blocks": 64, "num_blocks": 64}
+    return {**base, "running": 0, "waiting": 0, "kv_usage": 0.0, "draining": False, **info}
+
+
+@dataclass
+class FakeBackend:
+    tokenizer: Tokenizer
+    max_model_len: int = 512
+    workers: list[dict[str, Any]] = field(default_factory=lambda: [worker("p0", "prefill"), worker("d0", "decode")])
+    desired: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
+    fail_before_first: set[str] = field(default_factory=set)  # worker ids whose requests die at once
+    gate: threading.Event | None = None  # when set up, every stream waits on it before its first token
+    token_delay_s: float = 0.0
+    started: list[str] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model = ModelInfo("fake-model", self.tokenizer, self.max_model_len, 1700000000)
+        self.text_ids = self.tokenizer.encode(TEXT)
+
+    def route(self, prompt_ids: Sequence[int], params: SamplingParams, exclude: frozenset[str]) -> Route:
+        views = [WorkerView.of(w["worker_id"], w) for w in self.workers if w["state"] == "up"]
+        route = plan_route(views, {}, len(prompt_ids), params.max_tokens, 16, exclude=exclude)
+        if route is None:
+            raise NoWorkerError("no worker pair is up")
+        self.routes.append(route)
+        return route
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+    ) -> Iterator[dict[str, Any]]:
+        self.started.append(request_id)
+        try:
+            if self.gate is not None:
+                self.gate.wait(10)
+            if route.workers & self.fail_before_first:
+                raise WorkerDiedError(f"{sorted(route.workers & self.fail_before_first)} died")
+            for i in range(params.max_tokens):
+                time.sleep(self.token_delay_s)
+                tok = self.text_ids[i % len(self.text_ids)]
+                last = i + 1 == params.max_tokens
+                out: dict[str, Any] = {
+                    "token_ids": [tok],
+                    "text": self.tokenizer.decode([tok]),
+                    "finished": last,
+                    "finish_reason": "length" if last else None,
+                    "num_prompt_tokens": len(prompt_ids),
+                    "num_output_tokens": i + 1,
+                    "logprobs": [] if params.logprobs is None else [(tok, -0.25, [(tok, -0.25)] * params.logprobs)],
+                }
+                if i == 0:
+                    out["timing"] = {"queue_s": 0.001, "prefill_s": 0.01, "transfer_s": 0.002}
+                    out["transfer"] = {"bytes": 4096, "seconds": 0.002, "gbps": 2.048}
+                    out.update(prefill_worker=route.prefill, decode_worker=route.decode, cached_tokens=0)
+                yield out
+        finally:
+            self.closed.append(request_id)
+
+    def status(self) -> dict[str, Any]:
+        return {"desired": dict(self.desired), "workers": [dict(w) for w in self.workers]}
+
+    def scale(self, role: str, replicas: int) -> None:
+        self.desired[role] = replicas
+
+    def drain(self, worker_id: str) -> bool:
+        for w in self.workers:
+            if w["worker_id"] == worker_id:
+                w["state"] = "draining"
+                return True
+        return False
+
+    def ready(self) -> bool:
+        return ready_from(self.workers)
+
+
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def client(backend: FakeBackend, **settings: Any) -> TestClient:
+    return TestClient(create_app(backend, RouterSettings(**settings)))
+
+
+def events(text: str) -> list[Any]:
+    """The JSON payloads of an SSE body, which must end with `data: [DONE]`."""
+    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def sample(metrics_text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name and (labels is None or all(s.labels.get(k) == v for k, v in labels.items())):
+                return float(s.value)
+    raise KeyError(name)

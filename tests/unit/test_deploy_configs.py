@@ -1,0 +1,27 @@
+"""Every YAML under deploy/ passes Ray's own cluster-config validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("*.yaml")), ids=lambda p: p.name)
+def test_ray_accepts_the_cluster_config(path: Path) -> None:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(yaml.safe_load(path.read_text()))  # fills Ray's defaults, as `ray up` does
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+def test_roles_are_advertised() -> None:
+    aws = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    types = aws["available_node_types"]
+    assert types["prefill_h100"]["resources"] == {"prefill": 8}
+    assert types["decode_h200"]["resources"] == {"decode": 8}
+    assert "tandem serve" in " ".join(aws["head_start_ray_commands"])

@@ -1,0 +1,182 @@
+"""The router under load and failure, against a fake Backend: admission (429, priorities),
+retries before the first token, and client disconnects that must close the backend stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.tokenizer import Tokenizer
+from router.admission import Admission
+from router.app import create_app
+from router.errors import Saturated
+from router.settings import RouterSettings
+from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, sample, worker
+
+
+@pytest.fixture
+def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
+    return FakeBackend(smollm_tokenizer)
+
+
+@pytest.fixture
+def gated(backend: FakeBackend) -> Iterator[FakeBackend]:
+    backend.gate = threading.Event()
+    yield backend
+    backend.gate.set()
+
+
+def test_saturated_answers_429_with_retry_after(gated: FakeBackend) -> None:
+    c = client(gated, max_running=1, max_waiting=0, retry_after_s=2)
+    req = {"model": "fake-model", "messages": HELLO, "max_tokens": 2}
+    results: list[int] = []
+    t = threading.Thread(target=lambda: results.append(c.post(CHAT, json=req).status_code))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not gated.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = c.post(CHAT, json=req)
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert c.get("/metrics").text.count("tandem:num_requests_running 1.0") == 1
+    assert gated.gate is not None
+    gated.gate.set()
+    t.join(10)
+    assert results == [200]
+    assert c.post(CHAT, json=req).status_code == 200
+
+
+def test_queued_request_waits_and_times_out_as_429(gated: FakeBackend) -> None:
+    c = client(gated, max_running=1, max_waiting=4, queue_timeout_s=0.3)
+    req = {"model": "fake-model", "messages": HELLO, "max_tokens": 2}
+    t = threading.Thread(target=lambda: c.post(CHAT, json=req))
+    t.start()
+    while not gated.started:
+        time.sleep(0.01)
+    r = c.post(CHAT, json=req)
+    assert r.status_code == 429 and "queue" in r.json()["error"]["message"]
+    assert gated.gate is not None
+    gated.gate.set()
+    t.join(10)
+
+
+def test_retry_on_another_pair_before_the_first_token(backend: FakeBackend) -> None:
+    backend.workers = [worker("p0", "prefill"), worker("p1", "prefill", waiting=3), worker("d0", "decode")]
+    backend.fail_before_first = {"p0"}
+    c = client(backend)
+    r = c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    timing = json.loads(r.headers["x-tandem-timing"])
+    assert timing["prefill_worker"] == "p1" and timing["attempts"] == 2
+    assert [rt.prefill for rt in backend.routes] == ["p0", "p1"]
+    assert sample(c.get("/metrics").text, "tandem:request_retries_total") == 1
+    assert sorted(backend.closed) == sorted(backend.started)
+    backend.fail_before_first = {"d0"}  # no other decode worker: a clean 503
+    r = c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 3})
+    assert (
+        r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] in ("no_worker", "worker_error")
+    )
+
+
+def _asgi_request(app: Any, path: str, body: dict[str, Any], disconnect_when: Any) -> list[dict[str, Any]]:
+    """Drive the app over raw ASGI; the client goes away once `disconnect_when(sent)` is true."""
+    raw = json.dumps(body).encode()
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        gone = asyncio.Event()
+        inbox = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if inbox:
+                return inbox.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def watch() -> None:
+            while not disconnect_when(sent):
+                await asyncio.sleep(0.005)
+            gone.set()
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
+        }  # fmt: skip
+        watcher = asyncio.create_task(watch())
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        watcher.cancel()
+
+    asyncio.run(main())
+    return sent
+
+
+def _until(cond: Any, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return bool(cond())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_closes_the_backend_stream(backend: FakeBackend, stream: bool) -> None:
+    backend.token_delay_s = 0.01
+    app = create_app(backend, RouterSettings())
+    body = {"model": "fake-model", "messages": HELLO, "max_tokens": 400, "stream": stream}
+    t0 = time.monotonic()
+    if stream:
+        sent = _asgi_request(app, CHAT, body, lambda s: sum(b'"content"' in m.get("body", b"") for m in s) >= 3)
+    else:
+        sent = _asgi_request(app, CHAT, body, lambda s: time.monotonic() - t0 > 0.3)
+    assert _until(lambda: backend.closed == backend.started and backend.started, 1.0)
+    assert time.monotonic() - t0 < 2.0  # long before the 400 tokens (4 s) would have run
+    assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
+    ok = create_app(backend, RouterSettings())  # and the router still serves
+    assert TestClient(ok).post(CHAT, json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_admission_priority_order_and_bounds() -> None:
+    async def main() -> list[int]:
+        adm = Admission(max_running=1, max_waiting=2, max_waiting_total=3)
+        assert await adm.acquire(0, 1.0) == 0.0
+        order: list[int] = []
+
+        async def waiter(p: int) -> None:
+            await adm.acquire(p, 5.0)
+            order.append(p)
+            adm.release()
+
+        tasks = [asyncio.create_task(waiter(p)) for p in (5, 1, 5)]
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 3
+        with pytest.raises(Saturated):  # priority 5 holds its 2, and 3 wait in all
+            await adm.acquire(5, 1.0)
+        with pytest.raises(Saturated):
+            await adm.acquire(0, 1.0)
+        cancelled = asyncio.create_task(adm.acquire(1, 5.0))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # (it was refused anyway: the queue is full) and leaves no trace
+        await asyncio.gather(cancelled, return_exceptions=True)
+        adm.release()
+        await asyncio.gather(*tasks)
+        assert adm.running == 0 and adm.waiting == 0
+        with pytest.raises(Saturated):  # a wait that times out
+            adm.running = 1
+            await adm.acquire(0, 0.01)
+        assert adm.waiting == 0
+        return order
+
+    assert asyncio.run(main()) == [1, 5, 5]

@@ -1,0 +1,200 @@
+"""The router app against a fake Backend (tests.unit.fake_backend): the OpenAI surface, the
+bad-input battery, auth, request ids, metrics and the request log."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.tokenizer import Tokenizer
+from router.app import create_app
+from router.settings import RouterSettings
+from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, events, sample, worker
+
+
+@pytest.fixture
+def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
+    return FakeBackend(smollm_tokenizer)
+
+
+def test_chat_whole_answer_has_exact_usage_timing_and_request_id(backend: FakeBackend) -> None:
+    c = client(backend)
+    r = c.post(
+        CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 5}, headers={"x-request-id": "abc-1"}
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(HELLO))
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": backend.tokenizer.decode(backend.text_ids[:5]),
+    }
+    assert body["choices"][0]["finish_reason"] == "length" and body["object"] == "chat.completion"
+    assert r.headers["x-request-id"] == "abc-1" and body["id"] == "chatcmpl-abc-1"
+    timing = json.loads(r.headers["x-tandem-timing"])
+    assert timing["prefill_worker"] == "p0" and timing["decode_worker"] == "d0" and timing["attempts"] == 1
+    assert {"queue_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s", "ttft_s", "e2e_s"} <= set(timing)
+    assert backend.closed == backend.started  # the stream was closed: KV freed on the workers
+    assert len(c.get("/health").headers["x-request-id"]) == 32  # generated when the client sends none
+
+
+def test_chat_stream_matches_whole_and_ends_with_timing_and_usage(backend: FakeBackend) -> None:
+    c = client(backend)
+    req = {"model": "fake-model", "messages": HELLO, "max_tokens": 7}
+    whole = c.post(CHAT, json=req).json()
+    r = c.post(CHAT, json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = events(r.text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["tandem"]["timing"]["prefill_worker"] == "p0"
+    plain = events(c.post(CHAT, json={**req, "stream": True}).text)
+    assert plain[-1]["choices"][0]["finish_reason"] == "length" and "timing" in plain[-1]["tandem"]
+
+
+def test_completions_whole_stream_token_ids_and_logprobs(backend: FakeBackend) -> None:
+    c = client(backend)
+    req = {"model": "fake-model", "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 2}
+    body = c.post("/v1/completions", json=req).json()
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 4 and lp["token_logprobs"] == [-0.25] * 4 and len(lp["top_logprobs"][0]) == 1
+    assert "".join(lp["tokens"]) == body["choices"][0]["text"]
+    chunks = events(c.post("/v1/completions", json={**req, "stream": True}).text)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == body["choices"][0]["text"]
+    ids = backend.tokenizer.encode("Once upon a time")
+    by_ids = c.post("/v1/completions", json={**req, "prompt": ids}).json()
+    assert by_ids["usage"]["prompt_tokens"] == len(ids) == body["usage"]["prompt_tokens"]
+    chat = c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, "logprobs": True,
+                              "top_logprobs": 3}).json()  # fmt: skip
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and len(content[0]["top_logprobs"]) == 3 and content[0]["bytes"]
+
+
+def test_models_health_ready(backend: FakeBackend) -> None:
+    c = client(backend)
+    assert c.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    assert c.get("/health").json() == {"status": "ok"}
+    assert c.get("/ready").status_code == 200
+    backend.workers = [worker("p0", "prefill")]
+    assert c.get("/ready").status_code == 503
+
+
+BAD: list[tuple[str, Any, int, str | None]] = [
+    (CHAT, b'{"model": "fake-model", "messages": [', 400, None),
+    (CHAT, b"", 400, None),
+    (CHAT, {"messages": HELLO}, 400, "model"),
+    (CHAT, {"model": "fake-model"}, 400, "messages"),
+    (CHAT, {"model": "fake-model", "messages": "hi"}, 400, "messages"),
+    (CHAT, {"model": "fake-model", "messages": []}, 400, "messages"),
+    (CHAT, {"model": "fake-model", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "max_tokens": "ten"}, 400, "max_tokens"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "max_tokens": -1}, 400, "max_tokens"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "max_tokens": 10**9}, 400, "max_tokens"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "max_completion_tokens": 10**6}, 400, "max_tokens"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "temperature": 3}, 400, "temperature"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "temperature": -0.5}, 400, "temperature"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "top_p": 0}, 400, "top_p"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "n": 2}, 400, "n"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "stream": "yes"}, 400, "stream"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "stop": [""]}, 400, "stop"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "priority": 10**6}, 400, "priority"),
+    (CHAT, {"model": "gpt-9", "messages": HELLO}, 404, "model"),
+    (CHAT, {"model": "fake-model", "messages": [{"role": "user", "content": "word " * 600}]}, 413, "messages"),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x " * 600}, 413, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": [10**7]}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "echo": True}, 400, "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input_gets_an_openai_error(
+    backend: FakeBackend, path: str, body: Any, status: int, param: str | None
+) -> None:
+    c = client(backend)
+    kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = c.post(path, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert r.headers["x-request-id"]
+    assert backend.started == []  # nothing reached the workers
+    assert c.get("/ready").status_code == 200
+
+
+def test_api_keys(backend: FakeBackend) -> None:
+    c = client(backend, api_keys=("k1", "k2"))
+    req = {"model": "fake-model", "messages": HELLO, "max_tokens": 1}
+    assert c.post(CHAT, json=req).status_code == 401
+    r = c.post(CHAT, json=req, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert c.post(CHAT, json=req, headers={"Authorization": "Bearer k2"}).status_code == 200
+    assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_admin_auth_and_operations(backend: FakeBackend) -> None:
+    assert client(backend).get("/admin/pools").status_code == 403  # no token: disabled
+    app = create_app(backend, RouterSettings(allow_loopback_admin=True))
+    assert TestClient(app, client=("127.0.0.1", 5000)).get("/admin/pools").status_code == 200
+    assert TestClient(app, client=("10.0.0.7", 5000)).get("/admin/pools").status_code == 403
+    c = client(backend, admin_token="s3cret")
+    assert c.get("/admin/pools").status_code == 401
+    assert c.get("/admin/pools", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    c.headers["Authorization"] = "Bearer s3cret"
+    pools = c.get("/admin/pools").json()
+    assert pools["up"] == {"prefill": 1, "decode": 1, "colocated": 0}
+    assert {w["worker_id"] for w in pools["workers"]} == {"p0", "d0"} and "kv_usage" in pools["workers"][0]
+    assert c.post("/admin/pools/decode", json={"replicas": 2}).json() == {"role": "decode", "replicas": 2}
+    assert backend.desired["decode"] == 2
+    assert c.post("/admin/pools/decode", json={"replicas": -1}).status_code == 400
+    assert c.post("/admin/pools/decode", json={"replicas": 1000}).status_code == 400
+    assert c.post("/admin/pools/gpu", json={"replicas": 1}).status_code == 404
+    assert c.post("/admin/rebalance", json={"prefill": 3, "decode": 1}).status_code == 200
+    assert backend.desired == {"prefill": 3, "decode": 1}
+    assert c.post("/admin/workers/d0/drain").json()["state"] == "draining"
+    assert c.post("/admin/workers/zz/drain").status_code == 404
+
+
+def test_metrics_move_with_traffic(backend: FakeBackend) -> None:
+    c = client(backend)
+    before = c.get("/metrics").text
+    assert sample(before, "tandem:generation_tokens_total") == 0
+    c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 4})
+    c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 3, "stream": True})
+    c.post(CHAT, json={"model": "nope", "messages": HELLO})
+    after = c.get("/metrics").text
+    assert sample(after, "tandem:generation_tokens_total") == 7
+    assert sample(after, "tandem:time_to_first_token_seconds_count") == 2
+    assert sample(after, "tandem:inter_token_latency_seconds_count") == 5
+    assert sample(after, "tandem:e2e_request_latency_seconds_count") == 2
+    assert sample(after, "tandem:kv_transfer_bytes_sum") == 2 * 4096
+    assert sample(after, "tandem:request_success_total", {"finished_reason": "length"}) == 2
+    assert sample(after, "tandem:request_rejected_total", {"status": "404"}) == 1
+    assert sample(after, "tandem:kv_cache_usage_perc", {"worker": "d0"}) == 0.0
+
+
+def test_one_json_log_line_per_request(backend: FakeBackend, caplog: pytest.LogCaptureFixture) -> None:
+    c = client(backend)
+    with caplog.at_level("INFO", logger="tandem.router.requests"):
+        c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, "user": "u1"},
+               headers={"x-request-id": "log-1"})  # fmt: skip
+        c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "n": 3}, headers={"x-request-id": "log-2"})
+    lines = [json.loads(r.message) for r in caplog.records if r.name == "tandem.router.requests"]
+    assert [(x["request_id"], x["status"]) for x in lines] == [("log-1", 200), ("log-2", 400)]
+    assert lines[0]["user"] == "u1" and lines[0]["completion_tokens"] == 2 and lines[0]["timing"]["prefill_worker"]
