@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 
 
 def _serve(argv: list[str]) -> int:
@@ -12,21 +14,20 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
-def _bench(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("engine", "transfer", "serve", "compare", "prefix"):
-        print("usage: tandem bench {engine,transfer,serve,compare,prefix} [--json] [...]", file=sys.stderr)
-        return 2
-    if argv[0] == "transfer":
-        from bench.transfer_bench import main
-    elif argv[0] == "serve":
-        from bench.serve_bench import main
-    elif argv[0] == "compare":
-        from bench.compare import main
-    elif argv[0] == "prefix":
-        from bench.prefix_bench import main
-    else:
-        from bench.engine_bench import main
+BENCHES = {
+    "engine": "bench.engine_bench",
+    "transfer": "bench.transfer_bench",
+    "serve": "bench.serve_bench",
+    "compare": "bench.compare",
+    "prefix": "bench.prefix_bench",
+}
 
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: tandem bench {{{','.join(BENCHES)}}} [--json] [...]", file=sys.stderr)
+        return 2
+    main: Callable[[list[str]], int] = importlib.import_module(BENCHES[argv[0]]).main
     return main(argv[1:])
 
 
