@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 
 def _serve(argv: list[str]) -> int:
-    from cli.demo import main
+    from router.server import main
 
     return main(argv)
 
@@ -31,12 +31,6 @@ def _bench(argv: list[str]) -> int:
     return main(argv[1:])
 
 
-def _router(argv: list[str]) -> int:
-    from router.server import main
-
-    return main(argv)
-
-
 def _admin(argv: list[str]) -> int:
     from cli.admin import main
 
@@ -44,9 +38,8 @@ def _admin(argv: list[str]) -> int:
 
 
 COMMANDS = {
-    "serve": (_serve, "serve the bundled model (for now: an offline generation demo)"),
+    "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
     "bench": (_bench, "benchmarks: engine, transfer, serve, compare, prefix"),
-    "router": (_router, "start a local cluster and the OpenAI-compatible router"),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
 }
 

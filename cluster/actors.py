@@ -116,9 +116,17 @@ def actor_name(namespace: str, worker_id: str) -> str:
 
 
 def start_worker(
-    role: str, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str
+    role: str,
+    worker_id: str,
+    model_path: str,
+    config: EngineConfig,
+    state_url: str,
+    namespace: str,
+    transport: str = "grpc",
 ) -> Any:
-    """Start one worker actor in its role's slot; returns its handle (it loads asynchronously)."""
+    """Start one worker actor in its role's slot; returns its handle (it loads asynchronously).
+
+    `transport` is how a prefill worker ships KV (grpc, shm); other roles ignore it."""
     cls: Any = ray.remote(ACTOR_CLASSES[role])
     env = {"OMP_NUM_THREADS": str(config.num_threads or os.cpu_count() or 1)}
     if "TANDEM_BIND_HOST" in os.environ:
@@ -131,4 +139,4 @@ def start_worker(
         max_concurrency=64,
         max_restarts=0,
         runtime_env={"env_vars": env},
-    ).remote(worker_id, model_path, config, state_url, namespace)
+    ).remote(worker_id, model_path, config, state_url, namespace, *([transport] if role == "prefill" else []))

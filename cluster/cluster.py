@@ -6,10 +6,11 @@ cluster.generate(ids, p)     prefill -> KV transfer -> decode, as a stream of ou
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
 
 MANAGER = "tandem-pool-manager"
+log = logging.getLogger(__name__)
 
 
 class NoWorkerError(EngineError):
@@ -43,6 +45,7 @@ class ClusterConfig:
     decode: int = 1
     colocated: int = 0
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=512))
+    transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts) or shm (same host)
     transfer_timeout_s: float = 15.0
 
 
@@ -57,7 +60,7 @@ class Cluster:
         self.state_url = state_url
         self.state = ClusterState(state_url, config.namespace)
         self._redis = redis
-        self._own_ray = own_ray
+        self.owns_ray = own_ray
         self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
 
     @classmethod
@@ -86,7 +89,7 @@ class Cluster:
         configs = {role: _role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
         ray.remote(PoolManager).options(  # type: ignore[attr-defined]
             name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8
-        ).remote(url, config.namespace, config.model_path, configs)
+        ).remote(url, config.namespace, config.model_path, configs, config.transport)
         c = cls(config, url, redis, own_ray)
         for role in ("prefill", "decode", "colocated"):
             c.scale(role, getattr(config, role))
@@ -248,18 +251,26 @@ class Cluster:
             handle.abort.remote(rid)
 
     def shutdown(self, kill_manager: bool = True) -> None:
+        """Stop what this Cluster started: the pool manager and its workers (unless only
+        joined), the embedded Redis, local Ray. Every step is bounded and runs even if an
+        earlier one failed (Redis or Ray may already be gone on Ctrl-C)."""
+        steps: list[Callable[[], object]] = []
         if kill_manager:
-            try:
-                ray.get(self.manager.shutdown.remote(), timeout=30)
-                ray.kill(self.manager)
-            except Exception:
-                pass
-            self.state.flush_namespace()
-        self.state.close()
+            steps += [
+                lambda: ray.get(self.manager.shutdown.remote(), timeout=20),
+                lambda: ray.kill(self.manager),
+                lambda: self.state.ping() and self.state.flush_namespace(),
+            ]
+        steps.append(self.state.close)
         if self._redis is not None:
-            self._redis.stop()
-        if self._own_ray:
-            ray.shutdown()
+            steps.append(self._redis.stop)
+        if self.owns_ray:
+            steps.append(ray.shutdown)
+        for step in steps:
+            try:
+                step()
+            except Exception as e:
+                log.warning("shutdown step failed: %s", e)
 
 
 def _role_config(base: EngineConfig, role: str) -> EngineConfig:

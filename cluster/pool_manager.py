@@ -43,6 +43,7 @@ class PoolManager:
         namespace: str,
         model_path: str,
         configs: dict[str, EngineConfig],
+        transport: str = "grpc",
         interval_s: float = 0.5,
         start_timeout_s: float = 180.0,
     ) -> None:
@@ -50,6 +51,7 @@ class PoolManager:
         self.state_url = state_url
         self.namespace = namespace
         self.model_path = model_path
+        self.transport = transport
         self.configs = configs
         self.interval_s = interval_s
         self.start_timeout_s = start_timeout_s
@@ -92,7 +94,9 @@ class PoolManager:
 
     def _start(self, role: str) -> None:
         worker_id = f"{role[0]}{next(self._ids)}-{int(time.time() * 1000) % 100000}"
-        handle = start_worker(role, worker_id, self.model_path, self.configs[role], self.state_url, self.namespace)
+        handle = start_worker(
+            role, worker_id, self.model_path, self.configs[role], self.state_url, self.namespace, self.transport
+        )
         self.workers[worker_id] = _Worker(worker_id, role, handle)
 
     def _drain(self, w: _Worker) -> None:

@@ -112,6 +112,7 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C must not kill it before we shut down in order
         )
         atexit.register(self.stop)
         try:

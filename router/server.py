@@ -1,32 +1,97 @@
-"""`tandem router`: start (or join) the cluster, then serve the router with uvicorn."""
+"""`tandem serve`: start (or join) the cluster, show progress, then serve the router with uvicorn.
+
+Alone it starts local Ray, an embedded redis-server, the pool manager with the workers,
+and the router on 127.0.0.1:8000. With RAY_ADDRESS / REDIS_URL set (or --join) it joins
+them instead. Ctrl-C or SIGTERM stops the router, then everything this command started.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
 
 import uvicorn
 
 from router.settings import RouterSettings
 
+EXAMPLE = """\
+Tandem is serving {model} at {url}
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+Press Ctrl-C to stop."""
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tandem router", description=__doc__)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model", default="", help="GGUF file or HF directory (default: bundled SmolLM2)")
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
+    ap.add_argument("--model", default=env("TANDEM_MODEL", ""), help="GGUF file or HF dir (default: bundled SmolLM2)")
     ap.add_argument("--served-model-name", default="", help="the `model` clients send (default: from the file)")
-    ap.add_argument("--namespace", default="default")
-    ap.add_argument("--prefill", type=int, default=1)
-    ap.add_argument("--decode", type=int, default=1)
-    ap.add_argument("--colocated", type=int, default=0)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8"])
-    ap.add_argument("--num-blocks", type=int, default=512)
+    ap.add_argument("--host", default=env("TANDEM_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(env("TANDEM_PORT", "8000")))
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers")
+    ap.add_argument(
+        "--colocated",
+        nargs="?",
+        type=int,
+        const=1,
+        default=0,
+        help="serve with N colocated workers instead of P/D (for comparison)",
+    )
+    ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=["auto", "bf16", "fp32", "fp16", "int8"])
+    ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm"])
+    ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: all cores)")
+    ap.add_argument("--namespace", default=env("TANDEM_NAMESPACE", "default"))
+    ap.add_argument(
+        "--admin-token", default=env("TANDEM_ADMIN_TOKEN", ""), help="enables /admin (or TANDEM_ADMIN_TOKEN)"
+    )
+    ap.add_argument("--allow-loopback-admin", action="store_true")
     ap.add_argument("--colocate-below", type=int, default=0, help="uncached prompt tokens under which to skip P/D")
     ap.add_argument("--max-running", type=int, default=64)
-    ap.add_argument("--allow-loopback-admin", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
+    return ap.parse_args(argv)
 
+
+def _progress(cluster: Any, done: threading.Event, started: float) -> None:
+    last = ""
+    while not done.wait(1.0):
+        try:
+            ws = cluster.workers()
+        except Exception:
+            continue
+        line = ", ".join(f"{w['worker_id']} {w['role']} {w['state']}" for w in ws) or "starting the pool manager"
+        if line != last:
+            print(f"  [{time.monotonic() - started:5.1f} s] {line}", flush=True)
+            last = line
+
+
+def _watch_ray(stop: threading.Event) -> None:
+    """In join mode: if the Ray cluster goes away (ray down), stop serving."""
+    import ray
+
+    misses = 0
+    while not stop.wait(2.0):
+        try:
+            ray.cluster_resources()  # type: ignore[no-untyped-call]
+            misses = 0
+        except Exception:
+            misses += 1
+        if misses >= 3:
+            print("the Ray cluster is gone; stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.join:
+        os.environ.setdefault("RAY_ADDRESS", "auto")
     from cluster.cluster import Cluster, ClusterConfig
     from cluster.routing import RoutingPolicy
     from engine.config import EngineConfig
@@ -41,24 +106,45 @@ def main(argv: list[str] | None = None) -> int:
         max_running=args.max_running,
         colocate_below_tokens=args.colocate_below,
         allow_loopback_admin=args.allow_loopback_admin,
+        **({"admin_token": args.admin_token} if args.admin_token else {}),
     )
+    prefill, decode = (0, 0) if args.colocated else (args.prefill, args.decode)
     config = ClusterConfig(
         model_path=args.model,
         namespace=args.namespace,
-        prefill=args.prefill,
-        decode=args.decode,
+        prefill=prefill,
+        decode=decode,
         colocated=args.colocated,
-        engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks),
+        engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=args.threads or None),
+        transport=args.transport,
     )
-    print(f"starting the cluster ({args.prefill} prefill, {args.decode} decode, {args.colocated} colocated) ...")
+    started = time.monotonic()
+    print(
+        f"tandem: starting {prefill} prefill, {decode} decode, {args.colocated} colocated worker(s) "
+        f"({args.dtype}, KV over {args.transport}) ...",
+        flush=True,
+    )
     cluster = Cluster.connect(config)
+    joined = not cluster.owns_ray
+    stop = threading.Event()
     try:
+        threading.Thread(target=_progress, args=(cluster, stop, started), daemon=True).start()
         cluster.wait_ready()
+        stop.set()
+        stop = threading.Event()
+        if joined:
+            threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
         backend = ClusterBackend(cluster, RoutingPolicy(colocate_below_tokens=settings.colocate_below_tokens))
         app = create_app(backend, settings)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+        url = f"http://{settings.host}:{settings.port}"
+        print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
+        print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     finally:
-        cluster.shutdown()
+        stop.set()
+        print("tandem: shutting down ...", flush=True)
+        cluster.shutdown(kill_manager=not joined)
+        print("tandem: stopped", flush=True)
     return 0
 
 
