@@ -27,7 +27,11 @@ from protos.gen import kv_transfer_pb2 as pb
 
 
 class KVReceiver:
-    """Owns the reservations of one decode engine. Thread-safe; `engine_lock` guards the engine."""
+    """Owns the reservations of one decode engine. Thread-safe; `engine_lock` guards the engine.
+
+    Lock order: `engine_lock` before the receiver's own lock, never the other way (the engine
+    loop holds `engine_lock` when it admits). Blocks of a dropped reservation are therefore
+    handed back to the engine after the receiver's lock is released (`_free_dropped`)."""
 
     def __init__(self, engine: Engine, engine_lock: threading.RLock, endpoint: str = "", lease_s: float = 10.0) -> None:
         self.engine = engine
@@ -40,6 +44,7 @@ class KVReceiver:
         self._cond = threading.Condition()
         self._failed: OrderedDict[str, str] = OrderedDict()
         self._done: OrderedDict[str, TransferStats] = OrderedDict()
+        self._dropped: list[str] = []
 
     # ---- control ----------------------------------------------------------------------------
 
@@ -49,8 +54,9 @@ class KVReceiver:
         with self._cond:
             if request_id in self.table:
                 raise KVTransferError(f"request {request_id!r} already has a reservation")
-            with self.engine_lock:
-                blocks = self.engine.reserve(request_id, num_tokens)
+        with self.engine_lock:
+            blocks = self.engine.reserve(request_id, num_tokens)  # raises on a duplicate id
+        with self._cond:
             r = self.table.add(request_id, blocks, num_tokens, lease)
             self._failed.pop(request_id, None)
             self._done.pop(request_id, None)
@@ -64,29 +70,43 @@ class KVReceiver:
 
     def release(self, request_id: str, token: str | None, reason: str) -> bool:
         """Drop a reservation and free its blocks. With a token, it must match."""
-        with self._cond:
-            r = self.table.get(request_id)
-            if r is None or (token is not None and token != r.token):
-                return False
-            self._drop(r, reason)
-            return True
+        try:
+            with self._cond:
+                r = self.table.get(request_id)
+                if r is None or (token is not None and token != r.token):
+                    return False
+                self._drop(r, reason)
+                return True
+        finally:
+            self._free_dropped()
 
     def expire(self) -> list[str]:
         """Free every reservation whose lease has run out; returns their ids."""
-        with self._cond:
-            gone = self.table.expired()
-            for r in gone:
-                self._drop(r, "lease expired")
-            return [r.request_id for r in gone]
+        try:
+            with self._cond:
+                gone = self.table.expired()
+                for r in gone:
+                    self._drop(r, "lease expired")
+                return [r.request_id for r in gone]
+        finally:
+            self._free_dropped()
 
     def _drop(self, r: Reservation, reason: str) -> None:
+        """Caller holds the receiver lock; the blocks go back in `_free_dropped`."""
         self.table.pop(r.request_id)
-        with self.engine_lock:
-            self.engine.release(r.request_id)
+        self._dropped.append(r.request_id)
         self._failed[r.request_id] = reason
         while len(self._failed) > 1024:
             self._failed.popitem(last=False)
         self._cond.notify_all()
+
+    def _free_dropped(self) -> None:
+        with self._cond:
+            ids, self._dropped = self._dropped, []
+        if ids:
+            with self.engine_lock:
+                for rid in ids:
+                    self.engine.release(rid)
 
     # ---- data -------------------------------------------------------------------------------
 
@@ -94,6 +114,12 @@ class KVReceiver:
         """Validate one chunk and write it into the cache; returns the payload size.
 
         Raises ChunkRejected (nothing written)."""
+        try:
+            return self._accept(header, inband)
+        finally:
+            self._free_dropped()
+
+    def _accept(self, header: pb.KVChunkHeader, inband: memoryview) -> int:
         with self._cond:
             r = self._authorised(header)
             try:
@@ -128,6 +154,12 @@ class KVReceiver:
 
     def commit(self, header: pb.KVChunkHeader, network_wait_s: float = 0.0) -> TransferStats:
         """Verify that every layer of every needed block arrived; mark the transfer complete."""
+        try:
+            return self._commit(header, network_wait_s)
+        finally:
+            self._free_dropped()
+
+    def _commit(self, header: pb.KVChunkHeader, network_wait_s: float) -> TransferStats:
         with self._cond:
             r = self._authorised(header)
             n = header.num_tokens
@@ -203,19 +235,18 @@ class KVReceiver:
         self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
     ) -> None:
         """Hand a complete transfer to the engine as a running request."""
-        with self._cond:
+        with self.engine_lock, self._cond:
             r = self.table.get(request_id)
             if r is None or r.state is not State.COMPLETE:
                 raise KVTransferError(f"request {request_id!r} has no complete transfer to admit")
             if len(prompt_token_ids) > r.num_tokens:
                 raise KVTransferError(f"{len(prompt_token_ids)} prompt tokens, {r.num_tokens} reserved")
             self.table.pop(request_id)
-            with self.engine_lock:
-                self.engine.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params)
+            self.engine.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if leases and the engine's blocks disagree."""
-        with self._cond, self.engine_lock:
+        with self.engine_lock, self._cond:
             self.table.check_integrity()
             for rid in self.table.ids():
                 assert self.engine.kv.has_request(rid), f"reservation {rid} holds no engine blocks"
