@@ -1,0 +1,86 @@
+"""Unloaded latency and rate sweeps against one endpoint: the steps the goodput comparison repeats.
+
+    probe:  warm-up, then requests one at a time -> median TTFT / TPOT / E2E with no queueing
+    sweep:  Poisson load at base x f0, base x f0 x step, ... until attainment collapses
+
+SLOs are chosen after every system has been probed (DistServe style: k x the best unloaded
+latency), so a sweep keeps every request and only uses a provisional SLO to know when to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from dataclasses import dataclass
+
+from bench.loadgen import Target, run_load
+from bench.stats import SLO, RequestResult, attainment
+from bench.workloads import Mix, make_items
+
+PROBE_SALT = 10_000  # probe text shares nothing with the sweep's
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """Medians over requests sent one at a time."""
+
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(self.ttft_s, self.tpot_s)
+
+
+@dataclass
+class Point:
+    rate: float
+    results: list[RequestResult]
+    duration_s: float
+
+    def attainment(self, slo: SLO) -> float:
+        return attainment(self.results, slo)
+
+
+def probe(target: Target, mix: Mix, n: int, seed: int, warmup: int = 2, progress: bool = True) -> Unloaded:
+    """Unloaded latency of `mix` on `target`. Raises RuntimeError if any probe request fails."""
+    items = make_items(mix, warmup + n, seed=seed, salt=PROBE_SALT)
+    results, _ = asyncio.run(run_load(target, items, concurrency=1, progress=progress, desc="unloaded"))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"unloaded requests failed: {bad[:3]}")
+    kept = results[warmup:]
+    tpots = [t for r in kept if (t := r.tpot) is not None] or [0.0]
+    return Unloaded(
+        statistics.median(r.ttft for r in kept), statistics.median(tpots), statistics.median(r.e2e for r in kept)
+    )
+
+
+def sweep(
+    target: Target,
+    mix: Mix,
+    rates: list[float],
+    stop: SLO,
+    requests: int,
+    max_seconds: float,
+    seed: int,
+    stop_below: float = 0.5,
+    progress: bool = True,
+) -> list[Point]:
+    """Poisson load at each of `rates` (ascending), `requests` requests a point, fewer where that
+    would take longer than `max_seconds` to send (4 at least). Stops after the first point whose
+    attainment of `stop` is below `stop_below`. Point i sends salt-i text: the same prompts on
+    every system swept with the same `seed`, and nothing one point could find cached from another."""
+    points: list[Point] = []
+    for i, rate in enumerate(rates):
+        n = max(4, min(requests, math.ceil(rate * max_seconds)))
+        items = make_items(mix, n, seed=seed + i, salt=i)
+        results, duration = asyncio.run(
+            run_load(target, items, rate=rate, seed=seed + i, progress=progress, desc=f"{rate:.3g} req/s")
+        )
+        points.append(Point(rate, results, duration))
+        if points[-1].attainment(stop) < stop_below:
+            break
+    return points
