@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import importlib.util
 import os
 import secrets
@@ -24,6 +25,16 @@ from types import TracebackType
 import redis
 
 HOST = "127.0.0.1"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies, however it
+    dies (even SIGKILL), so an embedded Redis never outlives its cluster. Linux only."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def find_redis_server() -> str:
@@ -113,6 +124,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C must not kill it before we shut down in order
+            preexec_fn=_die_with_parent,
         )
         atexit.register(self.stop)
         try:

@@ -1,0 +1,125 @@
+"""`ray up` / `ray down` of deploy/cluster.local.yaml on this machine, over ssh to 127.0.0.1.
+
+Installs openssh-server and rsync (Debian), starts sshd on 127.0.0.1 only with a key that
+is accepted from 127.0.0.1 only, brings the cluster up, asks the router for a chat
+completion and the pools, brings it down, and checks no Ray process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = ROOT / ".venv" / "bin"
+KEY = Path.home() / ".ssh" / "tandem_loopback"
+LINK = Path.home() / "tandem-loopback"
+PROFILE = Path("/etc/profile.d/tandem-loopback.sh")
+URL = "http://127.0.0.1:8000"
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("apt-get") or not (VENV_BIN / "ray").exists(),
+    reason="needs root, apt-get and the project's .venv (it installs and starts sshd)",
+)
+
+
+def sh(cmd: str, timeout: float, check: bool = True, env: dict[str, str] | None = None) -> str:
+    p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False)
+    if check and p.returncode != 0:
+        raise AssertionError(f"`{cmd}` failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def ray_processes() -> str:
+    return sh(
+        "pgrep -fa 'raylet|gcs_server|tandem serve --join|tandem-loopback.*redis-server' | grep -v pgrep || true", 10
+    )
+
+
+@pytest.fixture(scope="module")
+def sshd() -> Iterator[None]:
+    if not Path("/usr/sbin/sshd").exists() or not shutil.which("rsync"):
+        sh("apt-get update -qq", 600)
+        sh("DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server rsync", 900)
+    KEY.parent.mkdir(mode=0o700, exist_ok=True)
+    if not KEY.exists():
+        sh(f"ssh-keygen -q -t ed25519 -N '' -f {KEY}", 30)
+    auth = KEY.parent / "authorized_keys"
+    entry = f'from="127.0.0.1" {KEY.with_suffix(".pub").read_text().strip()}'
+    if entry not in (auth.read_text() if auth.exists() else ""):
+        with auth.open("a") as f:
+            f.write(entry + "\n")
+    auth.chmod(0o600)
+    sh("ssh-keygen -A && mkdir -p /run/sshd", 60)
+    pidfile = Path("/tmp/tandem-loopback-sshd.pid")
+    sh(
+        "/usr/sbin/sshd -o ListenAddress=127.0.0.1 -o Port=22 -o PasswordAuthentication=no "
+        f"-o PermitRootLogin=prohibit-password -o PidFile={pidfile}",
+        30,
+    )
+    ssh = f"ssh -i {KEY} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes root@127.0.0.1"
+    end = time.monotonic() + 30
+    while subprocess.run(f"{ssh} true", shell=True, capture_output=True, timeout=15, check=False).returncode:
+        assert time.monotonic() < end, "sshd on 127.0.0.1 does not accept the loopback key"
+        time.sleep(1)
+    yield
+    if pidfile.exists():
+        sh(f"kill $(cat {pidfile})", 10, check=False)
+
+
+def test_ray_up_chat_pools_ray_down(sshd: None) -> None:
+    if LINK.is_symlink() or not LINK.exists():
+        LINK.unlink(missing_ok=True)
+        LINK.symlink_to(ROOT)
+    # `ray down` runs a bare `ray stop` in a login shell: put the venv on that PATH.
+    PROFILE.write_text(f'export PATH="{VENV_BIN}:$PATH"\n')
+    env = {
+        **os.environ,
+        "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    env.pop("RAY_ADDRESS", None)
+    sh("ray up -y --no-config-cache deploy/cluster.local.yaml", 900, env=env)
+    try:
+        end = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{URL}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < end, "the router never became ready:\n" + sh(
+                "tail -50 /tmp/tandem-loopback-serve.log", 10, check=False
+            )
+            time.sleep(2)
+        chat = httpx.post(
+            f"{URL}/v1/chat/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "Say hi."}],
+                "max_tokens": 8,
+            },
+            timeout=60,
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["content"]
+        token = (Path.home() / ".tandem_redis_password").read_text().strip()
+        pools = httpx.get(f"{URL}/admin/pools", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert pools.status_code == 200, pools.text
+        roles = {w["role"] for w in pools.json()["workers"]}
+        assert {"prefill", "decode"} <= roles
+    finally:
+        sh("ray down -y deploy/cluster.local.yaml", 300, check=False, env=env)
+        end = time.monotonic() + 60
+        while ray_processes().strip() and time.monotonic() < end:
+            time.sleep(1)
+        PROFILE.unlink(missing_ok=True)
+    assert not ray_processes().strip(), f"left behind after ray down:\n{ray_processes()}"
