@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -124,7 +125,9 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C must not kill it before we shut down in order
-            preexec_fn=_die_with_parent,
+            # PR_SET_PDEATHSIG fires when the starting *thread* exits, so only the main thread
+            # (which lives as long as the process) may ask for it.
+            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
         )
         atexit.register(self.stop)
         try:
