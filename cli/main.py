@@ -20,6 +20,7 @@ BENCHES = {
     "serve": "bench.serve_bench",
     "compare": "bench.compare",
     "prefix": "bench.prefix_bench",
+    "router": "bench.router_overhead",
 }
 
 
@@ -39,7 +40,7 @@ def _admin(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
-    "bench": (_bench, "benchmarks: engine, transfer, serve, compare, prefix"),
+    "bench": (_bench, "benchmarks: engine, transfer, serve, compare, prefix, router"),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
 }
 
