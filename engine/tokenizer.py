@@ -70,13 +70,13 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build a byte-level BPE tokenizer from a GGUF file's vocabulary and merges (metadata only).
 
-        Raises NotImplementedError for vocabularies other than llama.cpp's 'gpt2' (byte-level BPE)
+        Raises ValueError for vocabularies other than llama.cpp's 'gpt2' (byte-level BPE)
         or for a pre-tokenizer this module does not know.
         """
         meta = GGUFFile(path).fields
         kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
         if kind != "gpt2":
-            raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
@@ -188,7 +188,7 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
-    raise NotImplementedError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

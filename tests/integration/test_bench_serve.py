@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import RouterUnavailableError, create_app_fn, running_cluster, serving
+from bench.harness import running_cluster, serving
 from bench.serve_bench import main
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
@@ -22,10 +22,6 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    try:
-        create_app_fn()
-    except RouterUnavailableError as e:
-        pytest.skip(f"needs the router: {e}")
     config = ClusterConfig(namespace="bench-itest", engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1))
     with running_cluster(config, timeout_s=240) as cluster, serving(cluster) as base:
         yield base
