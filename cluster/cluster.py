@@ -215,40 +215,26 @@ class Cluster:
         gen = decode.generate.options(num_returns="streaming").remote(
             rid, prompt, first["first_token"], params, self.config.transfer_timeout_s
         )
-        try:
-            for i, ref in enumerate(gen):
-                out = dict(ray.get(ref, timeout=60))
-                if i == 0:
-                    out.update(meta)
-                    # the decode side emits the prefill's first token without its logprob
-                    out["logprobs"] = [*first_logprobs, *out["logprobs"]][: len(out["token_ids"])]
-                yield out
-        except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(f"decode worker {decode_id} died mid-stream") from e
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
-        finally:
-            decode.abort.remote(rid)
+
+        def first_extra(out: dict[str, Any]) -> None:
+            out.update(meta)
+            # the decode side emits the prefill's first token without its logprob
+            out["logprobs"] = [*first_logprobs, *out["logprobs"]][: len(out["token_ids"])]
+
+        yield from _stream(gen, decode, rid, f"decode worker {decode_id} died mid-stream", first_extra)
 
     def _generate_colocated(
         self, handle: Any, worker_id: str, rid: str, prompt: list[int], params: SamplingParams
     ) -> Iterator[dict[str, Any]]:
         t0 = time.monotonic()
         gen = handle.generate.options(num_returns="streaming").remote(rid, prompt, params)
-        try:
-            for i, ref in enumerate(gen):
-                out = dict(ray.get(ref, timeout=60))
-                if i == 0:
-                    out["timing"] = {"queue_s": 0.0, "prefill_s": time.monotonic() - t0, "transfer_s": 0.0}
-                    out["transfer"] = {"bytes": 0, "seconds": 0.0, "gbps": 0.0}
-                    out.update(prefill_worker=worker_id, decode_worker=worker_id, cached_tokens=0)
-                yield out
-        except ray.exceptions.RayActorError as e:
-            raise WorkerDiedError(f"colocated worker {worker_id} died") from e
-        except ray.exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
-        finally:
-            handle.abort.remote(rid)
+
+        def first_extra(out: dict[str, Any]) -> None:
+            out["timing"] = {"queue_s": 0.0, "prefill_s": time.monotonic() - t0, "transfer_s": 0.0}
+            out["transfer"] = {"bytes": 0, "seconds": 0.0, "gbps": 0.0}
+            out.update(prefill_worker=worker_id, decode_worker=worker_id, cached_tokens=0)
+
+        yield from _stream(gen, handle, rid, f"colocated worker {worker_id} died", first_extra)
 
     def shutdown(self, kill_manager: bool = True) -> None:
         """Stop what this Cluster started: the pool manager and its workers (unless only
@@ -271,6 +257,25 @@ class Cluster:
                 step()
             except Exception as e:
                 log.warning("shutdown step failed: %s", e)
+
+
+def _stream(
+    gen: Any, worker: Any, rid: str, died: str, first_extra: Callable[[dict[str, Any]], None]
+) -> Iterator[dict[str, Any]]:
+    """Outputs of a worker's streaming generator, typed errors for a dead worker, and an abort on
+    the worker however the stream ends (finished, failed, or the caller stopped reading)."""
+    try:
+        for i, ref in enumerate(gen):
+            out = dict(ray.get(ref, timeout=60))
+            if i == 0:
+                first_extra(out)
+            yield out
+    except ray.exceptions.RayActorError as e:
+        raise WorkerDiedError(died) from e
+    except ray.exceptions.RayTaskError as e:
+        raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
+    finally:
+        worker.abort.remote(rid)
 
 
 def _role_config(base: EngineConfig, role: str) -> EngineConfig:
