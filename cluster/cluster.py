@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 
 MANAGER = "tandem-pool-manager"
 log = logging.getLogger(__name__)
+HANDLES_TTL_S = 1.0
 
 
 class NoWorkerError(EngineError):
@@ -62,6 +63,8 @@ class Cluster:
         self._redis = redis
         self.owns_ray = own_ray
         self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
+        self._handles: dict[str, Any] = {}
+        self._handles_at = -HANDLES_TTL_S
 
     @classmethod
     def connect(cls, config: ClusterConfig | None = None) -> Cluster:
@@ -131,7 +134,17 @@ class Cluster:
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")
 
     def handles(self) -> dict[str, Any]:
-        return dict(ray.get(self.manager.handles.remote(), timeout=10))
+        """Actor handles of the workers that are up, asked of the pool manager now."""
+        handles: dict[str, Any] = dict(ray.get(self.manager.handles.remote(), timeout=10))
+        self._handles, self._handles_at = handles, time.monotonic()
+        return handles
+
+    def _recent_handles(self, need: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """handles(), reused for up to HANDLES_TTL_S unless a needed worker is missing: the request
+        path must not ask the pool manager (whose health checks hold its lock) on every call."""
+        if time.monotonic() - self._handles_at > HANDLES_TTL_S or not need <= self._handles.keys():
+            return self.handles()
+        return self._handles
 
     def check_integrity(self) -> None:
         ray.get([h.check_integrity.remote() for h in self.handles().values()], timeout=30)
@@ -146,8 +159,9 @@ class Cluster:
         policy: RoutingPolicy | None = None,
     ) -> Route:
         """Where a request would run now (see cluster.routing.plan_route). Raises NoWorkerError."""
-        handles = self.handles()
-        views = [WorkerView.of(wid, info) for wid, info in self.state.workers().items() if wid in handles]
+        registered = self.state.workers()
+        handles = self._recent_handles(frozenset(registered))  # a new worker forces a refresh
+        views = [WorkerView.of(wid, info) for wid, info in registered.items() if wid in handles]
         bs = self.config.engine.block_size
         hashes = prefix_hashes(list(prompt_ids), bs)
         prefill_ids = [v.worker_id for v in views if v.role == "prefill" and v.worker_id not in exclude]
@@ -174,7 +188,7 @@ class Cluster:
         rid = request_id or uuid.uuid4().hex
         prompt = list(prompt_ids)
         route = route or self.route(prompt, params)
-        handles = self.handles()
+        handles = self._recent_handles(route.workers)
         if route.decode not in handles or (route.prefill is not None and route.prefill not in handles):
             raise WorkerDiedError(f"a worker of {sorted(route.workers)} is gone")
         if route.prefill is None:
