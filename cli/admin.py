@@ -19,21 +19,28 @@ def main(argv: list[str] | None = None) -> int:
     scale = sub.add_parser("scale", help="set a pool's size")
     scale.add_argument("role", choices=["prefill", "decode", "colocated"])
     scale.add_argument("replicas", type=int)
+    scale.add_argument("--force", action="store_true", help="even if no pool could serve requests afterwards")
     drain = sub.add_parser("drain", help="drain one worker (it finishes its requests, then stops)")
     drain.add_argument("worker_id")
     rebalance = sub.add_parser("rebalance", help="set the prefill and decode pool sizes together")
     rebalance.add_argument("prefill", type=int)
     rebalance.add_argument("decode", type=int)
+    rebalance.add_argument("--force", action="store_true", help="even if no pool could serve requests afterwards")
     args = ap.parse_args(argv)
 
+    force = {"force": True} if getattr(args, "force", False) else {}
     calls: dict[str, tuple[str, str, dict[str, Any] | None]] = {
         "pools": ("GET", "/admin/pools", None),
-        "scale": ("POST", f"/admin/pools/{getattr(args, 'role', '')}", {"replicas": getattr(args, "replicas", 0)}),
+        "scale": (
+            "POST",
+            f"/admin/pools/{getattr(args, 'role', '')}",
+            {"replicas": getattr(args, "replicas", 0), **force},
+        ),
         "drain": ("POST", f"/admin/workers/{getattr(args, 'worker_id', '')}/drain", None),
         "rebalance": (
             "POST",
             "/admin/rebalance",
-            {"prefill": getattr(args, "prefill", 0), "decode": getattr(args, "decode", 0)},
+            {"prefill": getattr(args, "prefill", 0), "decode": getattr(args, "decode", 0), **force},
         ),
     }
     method, path, body = calls[args.op]
@@ -51,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if r.status_code >= 400:
         message = data.get("error", {}).get("message", r.text) if isinstance(data, dict) else r.text
         print(f"tandem admin: {r.status_code}: {message}", file=sys.stderr)
+        if isinstance(data, dict) and data.get("error", {}).get("code") == "would_stop_serving":
+            print("tandem admin: add --force to do it anyway", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=2))
     return 0

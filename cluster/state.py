@@ -26,6 +26,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from engine.errors import EngineError
+
 ROLES = frozenset({"prefill", "decode", "colocated"})
 EVENTS_MAXLEN = 10_000
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -52,6 +54,11 @@ for i = 1, #ARGV do
 end
 return pruned
 """
+
+
+class StateUnavailable(EngineError):
+    """The cluster's state store (Redis) did not answer in time. Serving goes on from the last
+    known state; what needs the store (admin calls, scaling) fails with this until it is back."""
 
 
 def _ttl_ms(ttl_s: float) -> int:

@@ -1,17 +1,25 @@
-"""The admin API: pools, scaling, draining, rebalancing (bearer token; see router.auth)."""
+"""The admin API: pools, scaling, draining, rebalancing (bearer token; see router.auth).
+
+A scale or rebalance that would take the desired sizes from "can serve" (a prefill and a decode
+worker, or a colocated one) to "cannot" is refused with a 400 unless the body says `"force": true`.
+Cluster failures answer 503 (the state store's outage with its own message); see router.errors.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends
 
 from router.auth import admin_check
 from router.backend import ROLES, Backend
-from router.errors import APIError
+from router.errors import APIError, admin_error
 from router.requests import RebalanceBody, ScaleBody
 from router.settings import RouterSettings
+
+T = TypeVar("T")
 
 WORKER_FIELDS = (
     "worker_id", "role", "state", "node", "draining", "running", "waiting", "free_blocks", "num_blocks", "kv_usage",
@@ -25,8 +33,19 @@ def pools(status: dict[str, Any]) -> dict[str, Any]:
     return {"desired": status.get("desired", {}), "up": up, "workers": workers}
 
 
+def can_serve(sizes: Mapping[str, int]) -> bool:
+    """P/D needs a prefill and a decode worker; a colocated worker serves alone."""
+    return (sizes.get("prefill", 0) > 0 and sizes.get("decode", 0) > 0) or sizes.get("colocated", 0) > 0
+
+
 def build(backend: Backend, settings: RouterSettings) -> APIRouter:
     api = APIRouter(prefix="/admin", dependencies=[Depends(admin_check(settings))])
+
+    async def cluster(call: Callable[..., T], *args: Any) -> T:
+        try:
+            return await asyncio.to_thread(call, *args)
+        except Exception as e:
+            raise admin_error(e, settings.retry_after_s) from e
 
     def check_replicas(role: str, n: int) -> None:
         if role not in ROLES:
@@ -34,19 +53,33 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
         if n > settings.max_replicas:
             raise APIError(400, f"replicas must be <= {settings.max_replicas}", param="replicas")
 
+    async def check_still_serves(change: dict[str, int], force: bool, param: str) -> None:
+        if force:
+            return
+        desired: dict[str, int] = dict((await cluster(backend.status)).get("desired", {}))
+        after = {**desired, **change}
+        if can_serve(desired) and not can_serve(after):
+            sizes = ", ".join(f"{r} {after.get(r, 0)}" for r in ROLES)
+            message = (
+                f"this would leave no pool that can serve requests ({sizes}): P/D needs a prefill and a "
+                'decode worker, or a colocated one; send "force": true to do it anyway'
+            )
+            raise APIError(400, message, param=param, code="would_stop_serving")
+
     @api.get("/pools")
     async def get_pools() -> dict[str, Any]:
-        return pools(await asyncio.to_thread(backend.status))
+        return pools(await cluster(backend.status))
 
     @api.post("/pools/{role}")
     async def scale(role: str, body: ScaleBody) -> dict[str, Any]:
         check_replicas(role, body.replicas)
-        await asyncio.to_thread(backend.scale, role, body.replicas)
+        await check_still_serves({role: body.replicas}, body.force, "replicas")
+        await cluster(backend.scale, role, body.replicas)
         return {"role": role, "replicas": body.replicas}
 
     @api.post("/workers/{worker_id}/drain")
     async def drain(worker_id: str) -> dict[str, Any]:
-        if not await asyncio.to_thread(backend.drain, worker_id):
+        if not await cluster(backend.drain, worker_id):
             raise APIError(404, f"no worker {worker_id!r}", param="worker_id", code="unknown_worker")
         return {"worker_id": worker_id, "state": "draining"}
 
@@ -54,10 +87,10 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
     async def rebalance(body: RebalanceBody) -> dict[str, Any]:
         check_replicas("prefill", body.prefill)
         check_replicas("decode", body.decode)
-        if body.prefill + body.decode == 0:
-            raise APIError(400, "a rebalance must leave at least one worker", param="prefill")
-        await asyncio.to_thread(backend.scale, "prefill", body.prefill)
-        await asyncio.to_thread(backend.scale, "decode", body.decode)
+        change = {"prefill": body.prefill, "decode": body.decode}
+        await check_still_serves(change, body.force, "decode" if body.prefill else "prefill")
+        await cluster(backend.scale, "prefill", body.prefill)
+        await cluster(backend.scale, "decode", body.decode)
         return {"prefill": body.prefill, "decode": body.decode}
 
     return api

@@ -15,7 +15,7 @@ import uuid
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import admin, errors, openai_api
@@ -30,7 +30,8 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:/=+-]{1,128}$")
 
 class RequestIdMiddleware:
     """Every response carries `x-request-id`: the client's (when sane) or a new one; handlers
-    read it as `request.state.request_id`."""
+    read it as `request.state.request_id`, log lines as `errors.REQUEST_ID`. An exception no
+    handler took becomes a 500 in OpenAI's shape (the detail goes to the log, not the client)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -42,13 +43,55 @@ class RequestIdMiddleware:
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         rid = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        started = False
 
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 MutableHeaders(scope=message)["x-request-id"] = rid
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = errors.REQUEST_ID.set(rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s failed with an unhandled error", rid)
+            if started:
+                raise  # too late for an error answer: the server drops the connection
+            await errors.internal_error().response()(scope, receive, send_with_id)
+        finally:
+            errors.REQUEST_ID.reset(token)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, before it is read: at once when Content-Length
+    says so, else as soon as the bytes received pass the limit (a chunked body)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await errors.BodyTooLarge(self.max_bytes).api_error().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise errors.BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def create_app(backend: Backend, settings: RouterSettings | None = None) -> FastAPI:
@@ -56,8 +99,9 @@ def create_app(backend: Backend, settings: RouterSettings | None = None) -> Fast
     metrics = Metrics()
     dispatcher = Dispatcher(backend, settings, metrics)
     app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
-    errors.install(app)
-    app.add_middleware(RequestIdMiddleware)
+    errors.install(app, settings.retry_after_s)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer above carries the id
     app.include_router(openai_api.build(dispatcher))
     app.include_router(admin.build(backend, settings))
     app.state.dispatcher = dispatcher  # for operators' introspection; handlers use closures

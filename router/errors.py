@@ -1,28 +1,46 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and how exceptions map onto them.
 
 InvalidRequestError / pydantic validation / malformed JSON   400
+  tokenizer or chat template failure, stop over the caps     400
+  scale or rebalance that would leave nothing to serve on    400 (unless the call says `force`)
 bad or missing API key / admin token                         401
 admin API disabled                                           403
 unknown model, route or worker                               404
-PromptTooLongError                                           413
+PromptTooLongError / request body over max_body_bytes        413
 admission queue full (Saturated)                             429 + Retry-After
+an unexpected error in the router                            500
 no worker up / workers failing (after retries)               503 + Retry-After
+cluster state store (Redis) unavailable                      503 + Retry-After
+
+A 5xx message never carries an exception's name, text or traceback: those go to the log,
+under the request's `x-request-id`, and the client gets a short fixed sentence.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.state import StateUnavailable
 from engine.errors import InvalidRequestError, PromptTooLongError
 
 log = logging.getLogger("tandem.router")
+
+# The `x-request-id` of the request being served, set by the app's request-id middleware, so that
+# log lines about a failure can name the request wherever the failure is turned into an answer.
+REQUEST_ID: ContextVar[str] = ContextVar("tandem_request_id", default="-")
+
+STATE_OUTAGE = (StateUnavailable, RedisConnectionError, RedisTimeoutError)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -61,11 +79,41 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    # A message that quotes the client's input may hold lone surrogates, which cannot be encoded
+    # as UTF-8: escaped to ASCII they can (JSONResponse's own rendering would fail with a 500).
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 class Saturated(Exception):
     """The admission queue is full (or the wait timed out)."""
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """The request body is over the router's limit. An HTTPException because FastAPI passes those
+    through unchanged when they are raised while it reads the body."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes")
+
+    def api_error(self) -> APIError:
+        return APIError(413, self.detail, code="request_too_large")
+
+
+def internal_error() -> APIError:
+    """The answer for an exception nothing else handled (the caller logs it)."""
+    message = "internal server error; the server log has the details under this response's x-request-id"
+    return APIError(500, message, code="internal_error")
+
+
+def state_unavailable(e: BaseException, retry_after_s: int) -> APIError:
+    log.warning("request %s: cluster state store unavailable: %r", REQUEST_ID.get(), e)
+    message = "cluster state store unavailable (Redis is not answering); retry later"
+    return APIError(503, message, code="state_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
 def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
@@ -81,11 +129,23 @@ def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
         return APIError(400, str(e), param=e.param)
     if isinstance(e, Saturated):
         return APIError(429, f"the server is at capacity: {e}; retry later", code="rate_limit_exceeded", headers=retry)
-    if isinstance(e, NoWorkerError):
+    if isinstance(e, NoWorkerError):  # its messages are written for clients
         return APIError(503, str(e), code="no_worker", headers=retry)
-    log.exception("request failed", exc_info=e)
-    message = f"the request failed on the workers: {type(e).__name__}: {e}"
-    return APIError(503, message, code="worker_error", headers=retry)
+    if isinstance(e, STATE_OUTAGE):
+        return state_unavailable(e, retry_after_s)
+    log.error("request %s failed on the workers", REQUEST_ID.get(), exc_info=e)
+    return APIError(503, "the workers could not complete this request; retry later", code="worker_error", headers=retry)
+
+
+def admin_error(e: BaseException, retry_after_s: int) -> APIError:
+    """The answer for an exception raised by the cluster during an admin call."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, STATE_OUTAGE):
+        return state_unavailable(e, retry_after_s)
+    log.error("request %s: the admin call failed in the cluster", REQUEST_ID.get(), exc_info=e)
+    message = "the cluster could not carry out this admin call; retry later"
+    return APIError(503, message, code="cluster_error", headers={"Retry-After": str(retry_after_s)})
 
 
 def _param(loc: Sequence[Any]) -> str | None:
@@ -110,21 +170,30 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def install(app: FastAPI) -> None:
-    """Answer every error in OpenAI's shape (FastAPI's 422 becomes 400)."""
+def install(app: FastAPI, retry_after_s: int) -> None:
+    """Answer every error in OpenAI's shape (FastAPI's 422 becomes 400; a state store outage 503)."""
 
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         return exc.response()
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+    async def on_validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         return validation_error(exc).response()
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc, BodyTooLarge):
+            return exc.api_error().response()
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body (not UTF-8...)
+            return APIError(400, "we could not parse the JSON body of your request", code="invalid_json").response()
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    async def on_state_outage(_: Request, exc: Exception) -> Response:
+        return state_unavailable(exc, retry_after_s).response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    for outage in STATE_OUTAGE:
+        app.add_exception_handler(outage, on_state_outage)

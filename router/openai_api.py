@@ -63,14 +63,12 @@ def build(d: Dispatcher) -> APIRouter:
 
     @api.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        def prompt() -> list[int]:
-            text = model.tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
-            return model.tokenizer.encode(text)
-
-        return await _serve(d, request, body, "chat", prompt, body.max_new, body.logprobs_n)
+        body = body.model_copy(update={"priority": d.settings.clamp_priority(body.priority)})
+        return await _serve(d, request, body, "chat", lambda: body.prompt_ids(model), body.max_new, body.logprobs_n)
 
     @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        body = body.model_copy(update={"priority": d.settings.clamp_priority(body.priority)})
         return await _serve(d, request, body, "completion", lambda: body.prompt_ids(model), body.max_tokens,
                             body.logprobs)  # fmt: skip
 
@@ -96,9 +94,13 @@ async def _serve(
         prompt_ids = await asyncio.to_thread(prompt)
         trace.prompt_tokens = len(prompt_ids)
         params = body.sampling(len(prompt_ids), model, d.settings.default_max_tokens, max_tokens, logprobs)
-        run = await d.start(prompt_ids, params, trace)
+        run = await _unless_gone(request, d.start(prompt_ids, params, trace))
     except Exception as e:
         return _failed(d, trace, e)
+    if run is None:  # gone while queued, in prefill or in transfer: all of it is cancelled
+        trace.status = CLIENT_GONE
+        d.finish(trace)
+        return Response(status_code=CLIENT_GONE)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = Shape(kind, prefix + rid, d.settings.model_name or model.name, model.tokenizer)
     if body.stream:
@@ -136,6 +138,26 @@ async def _whole(d: Dispatcher, run: Run, shape: Shape, trace: Trace, request: R
     counts = usage(trace.prompt_tokens, trace.completion_tokens)
     body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
     return JSONResponse(body, headers={"x-tandem-timing": json.dumps(trace.timing(), separators=(",", ":"))})
+
+
+async def _unless_gone(request: Request, start: Awaitable[Run]) -> Run | None:
+    """The admitted request with its first output, or None (and `start` cancelled, which
+    gives back its admission slot and cancels its prefill and transfer) if the client goes first."""
+    task = asyncio.ensure_future(start)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(BaseException):
+            await watcher
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        run = await task
+        run.close()  # it got its first token just as the client left
+    return None
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:

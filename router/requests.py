@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from router.backend import ModelInfo
-from router.errors import APIError
+from router.errors import REQUEST_ID, APIError
+
+log = logging.getLogger("tandem.router")
 
 _I64 = 2**63
+# Stop strings are matched against every new piece of output and held back while a prefix of one
+# is pending: their number and length bound that work and the streaming delay.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 
 class _Body(BaseModel):
@@ -39,7 +47,7 @@ class _Common(_Body):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    priority: int = Field(default=0, ge=-100, le=100)  # extension: lower runs first (vLLM's convention)
+    priority: int = 0  # extension: lower runs first (vLLM's convention); clamped to the router's range
 
     @property
     def include_usage(self) -> bool:
@@ -55,8 +63,10 @@ class _Common(_Body):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if len(stops) > 16:
-            raise APIError(400, "at most 16 stop sequences", param="stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"at most {MAX_STOPS} stop sequences (got {len(stops)})", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
 
     def sampling(
         self, prompt_len: int, model: ModelInfo, default_max: int, max_tokens: int | None, logprobs: int | None
@@ -122,6 +132,23 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
+    def prompt_ids(self, model: ModelInfo) -> list[int]:
+        """The messages through the model's chat template, then the tokenizer. Raises
+        InvalidRequestError (400) for whatever the template or the tokenizer refuses."""
+        messages = [m.as_template_input() for m in self.messages]
+        try:
+            text = model.tokenizer.apply_chat_template(messages)
+        except InvalidRequestError:
+            raise
+        except jinja2.TemplateError as e:
+            log.info("request %s: the chat template failed: %r", REQUEST_ID.get(), e)
+            why = f": {e.message}" if e.message else ""
+            raise InvalidRequestError(f"the model's chat template rejected these messages{why}", "messages") from e
+        except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
+            log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
+            raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
+        return _encode(model, text, "messages")
+
     @property
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -154,7 +181,7 @@ class CompletionRequest(_Common):
                 raise APIError(400, "one prompt per request (send a string, or a list with one string)", param="prompt")
             p = str(p[0])
         if isinstance(p, str):
-            ids = model.tokenizer.encode(p)
+            ids = _encode(model, p, "prompt")
         else:
             ids = [int(t) for t in p]
             vocab = model.tokenizer.vocab_size
@@ -165,10 +192,24 @@ class CompletionRequest(_Common):
         return ids
 
 
+def _encode(model: ModelInfo, text: str, param: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(f"{param} holds text that is not valid Unicode (a lone surrogate)", param) from None
+    try:
+        return model.tokenizer.encode(text)
+    except Exception as e:
+        log.warning("request %s: the tokenizer failed", REQUEST_ID.get(), exc_info=e)
+        raise InvalidRequestError(f"the tokenizer could not encode {param}", param) from e
+
+
 class ScaleBody(_Body):
     replicas: int = Field(ge=0)
+    force: bool = False  # even if it leaves no pool that can serve
 
 
 class RebalanceBody(_Body):
     prefill: int = Field(ge=0)
     decode: int = Field(ge=0)
+    force: bool = False

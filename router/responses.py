@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,13 @@ from engine.tokenizer import Tokenizer
 
 # One engine logprob entry: (token_id, logprob, [(top_id, top_logprob), ...]).
 LogprobEntry = Sequence[Any]
+# What OpenAI reports for a token of no probability: JSON has no -inf (nor NaN).
+NO_PROBABILITY = -9999.0
+
+
+def _logprob(value: Any) -> float:
+    x = float(value)
+    return x if math.isfinite(x) and x > NO_PROBABILITY else NO_PROBABILITY
 
 
 @dataclass
@@ -44,17 +52,17 @@ class Shape:
             offset += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [float(e[1]) for e in entries],
-            "top_logprobs": [{self._token(int(i)): float(lp) for i, lp in e[2]} for e in entries],
+            "token_logprobs": [_logprob(e[1]) for e in entries],
+            "top_logprobs": [{self._token(int(i)): _logprob(lp) for i, lp in e[2]} for e in entries],
             "text_offset": offsets,
         }
 
     def _chat_logprob(self, e: LogprobEntry) -> dict[str, Any]:
         def one(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token(token_id)
-            return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
-        return {**one(int(e[0]), float(e[1])), "top_logprobs": [one(int(i), float(lp)) for i, lp in e[2]]}
+        return {**one(int(e[0]), e[1]), "top_logprobs": [one(int(i), lp) for i, lp in e[2]]}
 
     def _choice(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None, delta: bool) -> Any:
         if self.kind == "completion":

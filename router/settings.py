@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RouterSettings(BaseModel):
@@ -15,7 +15,9 @@ class RouterSettings(BaseModel):
     priority level (max_waiting_total in all) for at most queue_timeout_s; past either bound
     the router answers 429 with Retry-After. admin_token None disables the admin API (403)
     unless allow_loopback_admin and the caller is on loopback. Non-empty api_keys make /v1 ask
-    for `Authorization: Bearer <key>`.
+    for `Authorization: Bearer <key>`. A request body over max_body_bytes gets a 413 before it is
+    read whole. A request's `priority` is clamped into [min_priority, max_priority] (lower runs
+    first), so a client cannot jump the queue further than the operator allows.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -35,6 +37,18 @@ class RouterSettings(BaseModel):
     api_keys: tuple[str, ...] = ()
     max_replicas: int = Field(default=64, ge=1)
     colocate_below_tokens: int = Field(default=0, ge=0)
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
+    min_priority: int = -100
+    max_priority: int = 100
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> RouterSettings:
+        if self.min_priority > self.max_priority:
+            raise ValueError(f"min_priority ({self.min_priority}) must be <= max_priority ({self.max_priority})")
+        return self
+
+    def clamp_priority(self, priority: int) -> int:
+        return min(max(priority, self.min_priority), self.max_priority)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> RouterSettings:

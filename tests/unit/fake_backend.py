@@ -41,6 +41,8 @@ class FakeBackend:
     fail_before_first: set[str] = field(default_factory=set)  # worker ids whose requests die at once
     gate: threading.Event | None = None  # when set up, every stream waits on it before its first token
     token_delay_s: float = 0.0
+    control_error: Exception | None = None  # raised by every control-plane call: route, status, scale, drain
+    malformed: bool = False  # outputs carry logprob entries the router cannot read (a backend bug)
     started: list[str] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
@@ -49,7 +51,12 @@ class FakeBackend:
         self.model = ModelInfo("fake-model", self.tokenizer, self.max_model_len, 1700000000)
         self.text_ids = self.tokenizer.encode(TEXT)
 
+    def _control(self) -> None:
+        if self.control_error is not None:
+            raise self.control_error
+
     def route(self, prompt_ids: Sequence[int], params: SamplingParams, exclude: frozenset[str]) -> Route:
+        self._control()
         views = [WorkerView.of(w["worker_id"], w) for w in self.workers if w["state"] == "up"]
         route = plan_route(views, {}, len(prompt_ids), params.max_tokens, 16, exclude=exclude)
         if route is None:
@@ -79,6 +86,8 @@ class FakeBackend:
                     "num_output_tokens": i + 1,
                     "logprobs": [] if params.logprobs is None else [(tok, -0.25, [(tok, -0.25)] * params.logprobs)],
                 }
+                if self.malformed:
+                    out["logprobs"] = [("not a token id",)]
                 if i == 0:
                     out["timing"] = {"queue_s": 0.001, "prefill_s": 0.01, "transfer_s": 0.002}
                     out["transfer"] = {"bytes": 4096, "seconds": 0.002, "gbps": 2.048}
@@ -88,12 +97,15 @@ class FakeBackend:
             self.closed.append(request_id)
 
     def status(self) -> dict[str, Any]:
+        self._control()
         return {"desired": dict(self.desired), "workers": [dict(w) for w in self.workers]}
 
     def scale(self, role: str, replicas: int) -> None:
+        self._control()
         self.desired[role] = replicas
 
     def drain(self, worker_id: str) -> bool:
+        self._control()
         for w in self.workers:
             if w["worker_id"] == worker_id:
                 w["state"] = "draining"
