@@ -1,16 +1,25 @@
 """Routing policy: pure functions over a snapshot of worker state. No Ray, no Redis.
 
-Decode first (reserve its blocks before any prefill starts), then prefill by the longest
-cached prefix, ties and overload broken by queued prefill work. `plan_route` puts them
-together, with conditional disaggregation: a prompt whose uncached part is short runs whole on
-a colocated worker, where paying for a KV transfer would cost more than it saves.
+Each worker is seen through its last heartbeat and through `load`, what this router has sent
+it and not yet seen finish (cluster.inflight). Decode is picked by in-flight streams (the
+heartbeat's count when that is higher: other routers), then free blocks. Prefill is picked by
+estimated time to first token:
+
+    ttft(w) = (queued prefill tokens on w + this prompt's tokens not cached on w) * w's s/token
+
+so a cache hit wins exactly while it saves more than the queue it waits behind costs, with no
+cliff. `plan_route` puts them together, with conditional disaggregation: a prompt whose
+uncached part is short runs whole on a colocated worker, where a KV transfer costs more than
+it saves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from cluster.inflight import WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -23,9 +32,19 @@ class WorkerView:
     waiting: int = 0
     healthy: bool = True
     draining: bool = False
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+    @property
+    def free(self) -> int:
+        """Free blocks, counting what was reserved here since the heartbeat."""
+        return min(self.free_blocks, self.num_blocks - self.load.blocks)
+
+    @property
+    def streams(self) -> int:
+        return max(self.load.streams, self.running + self.waiting)
 
     @classmethod
-    def of(cls, worker_id: str, info: Mapping[str, Any]) -> WorkerView:
+    def of(cls, worker_id: str, info: Mapping[str, Any], load: WorkerLoad | None = None) -> WorkerView:
         return cls(
             worker_id=worker_id,
             role=str(info.get("role", "")),
@@ -35,39 +54,51 @@ class WorkerView:
             waiting=int(info.get("waiting", 0)),
             healthy=bool(info.get("healthy", True)),
             draining=bool(info.get("draining", False)),
+            load=load or WorkerLoad(),
         )
 
 
 def pick_decode(workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()) -> str | None:
     """The healthy, non-draining decode worker with room for `blocks_needed` blocks that has
-    the most free blocks, then the smallest running batch. None when none has room."""
+    the fewest streams in flight, then the most free blocks. None when none has room."""
     fits = [
         w
         for w in workers
         if w.role == "decode"
         and w.healthy
         and not w.draining
-        and w.free_blocks >= blocks_needed
+        and w.free >= blocks_needed
         and w.worker_id not in exclude
     ]
     if not fits:
         return None
-    return min(fits, key=lambda w: (-w.free_blocks, w.running + w.waiting, w.worker_id)).worker_id
+    return min(fits, key=lambda w: (w.streams, -w.free, w.worker_id)).worker_id
+
+
+def prefill_eta(w: WorkerView, cached_tokens: int, prompt_tokens: int) -> float:
+    """Estimated seconds until `w` has computed this prompt (the first token's time, roughly)."""
+    uncached = max(prompt_tokens - cached_tokens, 1)  # a fully cached prompt still computes its last token
+    return (w.load.prefill_tokens + uncached) * w.load.prefill_s_per_token
 
 
 def pick_prefill(
     workers: Sequence[WorkerView],
     cached_blocks: Mapping[str, int],
-    overload_waiting: int = 8,
+    prompt_tokens: int = 0,
+    block_size: int = 1,
     exclude: frozenset[str] = frozenset(),
 ) -> str | None:
-    """The prefill worker holding the longest cached prefix, unless it is overloaded
-    (`overload_waiting` or more queued); ties and overload broken by the queue length."""
+    """The prefill worker with the earliest estimated first token (`prefill_eta`); ties go to
+    the longer cached prefix, then the shorter queue."""
     live = [w for w in workers if w.role == "prefill" and w.healthy and not w.draining and w.worker_id not in exclude]
     if not live:
         return None
-    ok = [w for w in live if w.waiting < overload_waiting] or live
-    return min(ok, key=lambda w: (-cached_blocks.get(w.worker_id, 0), w.waiting + w.running, w.worker_id)).worker_id
+
+    def key(w: WorkerView) -> tuple[float, int, int, str]:
+        cached = min(cached_blocks.get(w.worker_id, 0) * block_size, prompt_tokens)
+        return (prefill_eta(w, cached, prompt_tokens), -cached, w.waiting + w.running, w.worker_id)
+
+    return min(live, key=key).worker_id
 
 
 @dataclass(frozen=True)
@@ -77,15 +108,13 @@ class RoutingPolicy:
     colocate_below_tokens: a prompt whose uncached part (after the best prefill worker's
     cached prefix) is shorter than this runs whole on a colocated worker, with no KV transfer,
     when one is up with room; 0 turns conditional disaggregation off.
-    overload_waiting: a prefill worker with this many queued requests loses its cache preference.
     """
 
     colocate_below_tokens: int = 0
-    overload_waiting: int = 8
 
     def __post_init__(self) -> None:
-        if self.colocate_below_tokens < 0 or self.overload_waiting < 1:
-            raise ValueError("colocate_below_tokens must be >= 0 and overload_waiting >= 1")
+        if self.colocate_below_tokens < 0:
+            raise ValueError("colocate_below_tokens must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -123,7 +152,7 @@ def plan_route(
     worker when the uncached part is short or no P/D pair is available. None: nowhere to run."""
     policy = policy or RoutingPolicy()
     blocks = -(-(prompt_tokens + max_tokens) // block_size)
-    prefill = pick_prefill(workers, cached_blocks, policy.overload_waiting, exclude)
+    prefill = pick_prefill(workers, cached_blocks, prompt_tokens, block_size, exclude)
     cached = min(cached_blocks.get(prefill, 0) * block_size, prompt_tokens) if prefill is not None else 0
     colocated = pick_colocated(workers, blocks, exclude)
     if colocated is not None and prompt_tokens - cached < policy.colocate_below_tokens:

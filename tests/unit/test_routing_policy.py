@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.inflight import InflightLedger, WorkerLoad
 from cluster.routing import (
     Route,
     RoutingPolicy,
@@ -12,12 +13,19 @@ from cluster.routing import (
     pick_decode,
     pick_prefill,
     plan_route,
+    prefill_eta,
     retry_exclusions,
 )
 
 
-def w(worker_id: str, role: str, free: int = 100, running: int = 0, waiting: int = 0, **kw: bool) -> WorkerView:
-    return WorkerView(worker_id, role, free_blocks=free, num_blocks=100, running=running, waiting=waiting, **kw)
+def w(
+    worker_id: str, role: str, free: int = 100, running: int = 0, waiting: int = 0, load: WorkerLoad | None = None,
+    **kw: bool,
+) -> WorkerView:  # fmt: skip
+    return WorkerView(
+        worker_id, role, free_blocks=free, num_blocks=100, running=running, waiting=waiting,
+        load=load or WorkerLoad(), **kw,
+    )  # fmt: skip
 
 
 def test_worker_view_of_heartbeat_info() -> None:
@@ -25,38 +33,79 @@ def test_worker_view_of_heartbeat_info() -> None:
     assert v == WorkerView("d1", "decode", free_blocks=7, num_blocks=1, running=2, waiting=0, draining=True)
 
 
-def test_decode_by_free_blocks_then_batch_then_id() -> None:
+def test_decode_by_streams_then_free_blocks_then_id() -> None:
     ws = [w("d1", "decode", free=50, running=1), w("d2", "decode", free=80, running=9), w("p1", "prefill", free=999)]
-    assert pick_decode(ws, 10) == "d2"
-    assert pick_decode(ws, 60) == "d2"
+    assert pick_decode(ws, 10) == "d1"
+    assert pick_decode(ws, 60) == "d2"  # only d2 has room
     assert pick_decode(ws, 81) is None
-    assert pick_decode(ws, 10, exclude=frozenset({"d2"})) == "d1"
-    tie = [w("d2", "decode", free=50, running=3), w("d1", "decode", free=50, running=3), w("d3", "decode", free=50)]
+    assert pick_decode(ws, 10, exclude=frozenset({"d1"})) == "d2"
+    tie = [w("d2", "decode", free=50, running=3), w("d1", "decode", free=50, running=3), w("d3", "decode", free=40)]
     assert pick_decode(tie, 1) == "d3"
     tie.pop()
     assert pick_decode(tie, 1) == "d1"
 
 
-def test_decode_skips_unhealthy_and_draining() -> None:
-    ws = [w("d1", "decode", free=99, draining=True), w("d2", "decode", free=98, healthy=False), w("d3", "decode", 5)]
-    assert pick_decode(ws, 1) == "d3"
-    assert pick_decode(ws[:2], 1) is None
+def test_decode_counts_what_the_router_sent_since_the_heartbeat() -> None:
+    # the heartbeat says both are empty; the ledger knows d1 got 3 streams holding 60 blocks
+    ws = [w("d1", "decode", load=WorkerLoad(streams=3, blocks=60)), w("d2", "decode", free=90)]
+    assert pick_decode(ws, 10) == "d2"
+    assert ws[0].free == 40 and ws[0].streams == 3
+    assert pick_decode(ws, 10, exclude=frozenset({"d2"})) == "d1"
+    assert pick_decode(ws, 41, exclude=frozenset({"d2"})) is None
 
 
-def test_prefill_prefers_the_longest_cached_prefix() -> None:
+def test_a_burst_splits_evenly_over_decode_workers() -> None:
+    ledger = InflightLedger()
+    ids = ["d1", "d2"]
+    for i in range(32):  # no heartbeat arrives during the burst
+        views = [w(d, "decode", load=ledger.load(d)) for d in ids] + [w("p1", "prefill", load=ledger.load("p1"))]
+        route = plan_route(views, {}, 40, 24, 16)
+        assert route is not None and route.prefill == "p1"
+        ledger.begin(f"r{i}", route.decode, route.prefill, 4, 40)
+        ledger.check_integrity()
+    assert ledger.load("d1").streams == ledger.load("d2").streams == 16
+    assert ledger.load("p1").prefill_tokens == 32 * 40
+    for i in range(32):
+        ledger.prefilled(f"r{i}", 40, 0.04)
+        ledger.end(f"r{i}")
+        ledger.check_integrity()
+    assert len(ledger) == 0 and ledger.load("d1") == WorkerLoad(
+        prefill_s_per_token=ledger.load("d1").prefill_s_per_token
+    )
+
+
+def test_prefill_prefers_the_earliest_first_token() -> None:
     ws = [w("p1", "prefill", waiting=2), w("p2", "prefill"), w("p3", "prefill", running=1)]
-    assert pick_prefill(ws, {}) == "p2"  # no cache anywhere: the shortest queue
-    assert pick_prefill(ws, {"p1": 3, "p3": 2}) == "p1"
-    assert pick_prefill(ws, {"p1": 3, "p3": 3}) == "p3"  # tie on the prefix: the shorter queue
-    assert pick_prefill(ws, {"p1": 3}, exclude=frozenset({"p1"})) == "p2"
+    assert pick_prefill(ws, {}, 100, 16) == "p2"  # nothing queued or cached anywhere: the shortest heartbeat queue
+    assert pick_prefill(ws, {"p1": 3, "p3": 2}, 100, 16) == "p1"
+    assert pick_prefill(ws, {"p1": 3, "p3": 3}, 100, 16) == "p3"  # same prefix: the shorter queue
+    assert pick_prefill(ws, {"p1": 3}, 100, 16, exclude=frozenset({"p1"})) == "p2"
 
 
-def test_prefill_overloaded_holder_loses_its_preference() -> None:
-    ws = [w("p1", "prefill", waiting=8), w("p2", "prefill", waiting=1)]
-    assert pick_prefill(ws, {"p1": 10}, overload_waiting=8) == "p2"
-    assert pick_prefill(ws, {"p1": 10}, overload_waiting=9) == "p1"
-    everyone_busy = [w("p1", "prefill", waiting=9), w("p2", "prefill", waiting=12)]
-    assert pick_prefill(everyone_busy, {"p2": 4}, overload_waiting=8) == "p2"
+def test_a_cache_hit_wins_while_it_saves_more_than_the_queue_costs() -> None:
+    cost = 1e-3
+    queued = [w("p1", "prefill", load=WorkerLoad(prefill_tokens=300, prefill_s_per_token=cost)), w("p2", "prefill")]
+    # p1 holds 20 blocks (320 of 400 tokens): 300 queued + 80 uncached = 380 < 400 on p2
+    assert prefill_eta(queued[0], 320, 400) == pytest.approx(0.38)
+    assert pick_prefill(queued, {"p1": 20}, 400, 16) == "p1"
+    more = [w("p1", "prefill", load=WorkerLoad(prefill_tokens=330, prefill_s_per_token=cost)), w("p2", "prefill")]
+    assert pick_prefill(more, {"p1": 20}, 400, 16) == "p2"  # 410 > 400: no cliff, just the sum
+    slow = [w("p1", "prefill", load=WorkerLoad(prefill_s_per_token=3e-3)), w("p2", "prefill")]
+    assert pick_prefill(slow, {"p1": 10}, 400, 16) == "p2"  # 240 tokens at 3 ms > 400 at 1 ms
+
+
+def test_shared_system_prompt_spreads_over_prefill_workers() -> None:
+    """Every prompt shares a 20-block system prompt; once both workers hold it, a burst uses both."""
+    ledger = InflightLedger()
+    views = lambda: [w(p, "prefill", load=ledger.load(p)) for p in ("p1", "p2")]  # noqa: E731
+    used = [pick_prefill(views(), {"p1": 20, "p2": 20}, 330, 16) for _ in range(1)]
+    for i in range(16):
+        p = pick_prefill(views(), {"p1": 20, "p2": 20}, 330, 16)
+        assert p is not None
+        ledger.begin(f"r{i}", "d1", p, 1, 330 - 320)
+        used.append(p)
+    assert used.count("p1") >= 7 and used.count("p2") >= 7
+    ledger.check_integrity()
 
 
 def test_colocated_pool_is_picked_like_decode() -> None:
@@ -111,5 +160,3 @@ def test_retry_exclusions_strictest_first() -> None:
 def test_policy_validation() -> None:
     with pytest.raises(ValueError):
         RoutingPolicy(colocate_below_tokens=-1)
-    with pytest.raises(ValueError):
-        RoutingPolicy(overload_waiting=0)
