@@ -1,25 +1,32 @@
 """Cluster: connect to (or start) Ray, Redis and the pool manager; scale, drain, status, generate.
 
 Cluster.connect()            local Ray + embedded redis-server + 1 prefill + 1 decode worker
-cluster.generate(ids, p)     prefill -> KV transfer -> decode, as a stream of outputs
+cluster.route(ids, p)        where a request would run: the view (no Redis wait) + the ledger
+cluster.generate(ids, p)     prefill -> KV transfer -> decode, as a RequestRun of outputs
+                             (cluster.handoff owns one attempt; cluster.request_run the failover)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from cluster.handoff import Attempt, Waits
+from cluster.inflight import InflightLedger
 from cluster.inventory import node_resources
 from cluster.redis_server import EmbeddedRedis
-from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
+from cluster.request_run import RequestRun, WorkerDiedError
+from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route, prefill_eta
 from cluster.state import ClusterState
+from cluster.view import ClusterView, ViewRefresher
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
@@ -27,15 +34,13 @@ from engine.sampling_params import SamplingParams
 
 MANAGER = "tandem-pool-manager"
 log = logging.getLogger(__name__)
-HANDLES_TTL_S = 1.0
+MIN_LEASE_S = 10.0
+
+__all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
 
 
 class NoWorkerError(EngineError):
     """No worker of the needed role is up (or none has room)."""
-
-
-class WorkerDiedError(EngineError):
-    """A worker died while serving the request."""
 
 
 @dataclass
@@ -47,7 +52,8 @@ class ClusterConfig:
     colocated: int = 0
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=512))
     transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts) or shm (same host)
-    transfer_timeout_s: float = 15.0
+    waits: Waits = field(default_factory=Waits)
+    max_migrations: int = 2  # mid-stream replays of one request on another pair
 
 
 def _ray_env() -> None:
@@ -60,11 +66,18 @@ class Cluster:
         self.config = config
         self.state_url = state_url
         self.state = ClusterState(state_url, config.namespace)
+        # the request path's own client: it answers in a quarter second or not at all
+        self._fast_state = ClusterState(state_url, config.namespace, socket_timeout_s=0.25, retries=0)
         self._redis = redis
         self.owns_ray = own_ray
         self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
-        self._handles: dict[str, Any] = {}
-        self._handles_at = -HANDLES_TTL_S
+        self.ledger = InflightLedger()
+        self._route_lock = threading.Lock()
+        # workers that left stop counting in the ledger (their streams fail over on their own)
+        self.view = ViewRefresher(
+            self._fast_state.workers, self._manager_handles, on_refresh=lambda v: self.ledger.reconcile(v.handles)
+        ).start()
+        self._lock = threading.Lock()
 
     @classmethod
     def connect(cls, config: ClusterConfig | None = None) -> Cluster:
@@ -133,23 +146,23 @@ class Cluster:
             time.sleep(0.25)
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")
 
-    def handles(self) -> dict[str, Any]:
-        """Actor handles of the workers that are up, asked of the pool manager now."""
-        handles: dict[str, Any] = dict(ray.get(self.manager.handles.remote(), timeout=10))
-        self._handles, self._handles_at = handles, time.monotonic()
-        return handles
+    @property
+    def embedded_redis(self) -> EmbeddedRedis | None:
+        """The redis-server this Cluster started (None when it joined one at REDIS_URL)."""
+        return self._redis
 
-    def _recent_handles(self, need: frozenset[str] = frozenset()) -> dict[str, Any]:
-        """handles(), reused for up to HANDLES_TTL_S unless a needed worker is missing: the request
-        path must not ask the pool manager (whose health checks hold its lock) on every call."""
-        if time.monotonic() - self._handles_at > HANDLES_TTL_S or not need <= self._handles.keys():
-            return self.handles()
-        return self._handles
+    def _manager_handles(self) -> dict[str, Any]:
+        return dict(ray.get(self.manager.handles.remote(), timeout=2.0))
+
+    def handles(self) -> dict[str, Any]:
+        """Actor handles of the workers that are up, as of the last refresh (a fresh one now)."""
+        return dict(self.view.refresh().handles)
 
     def check_integrity(self) -> None:
         ray.get([h.check_integrity.remote() for h in self.handles().values()], timeout=30)
+        self.ledger.check_integrity()
 
-    # ---- the request path -----------------------------------------------------------------------
+    # ---- the request path: reads the view and the ledger, never waits on Redis ---------------
 
     def route(
         self,
@@ -159,17 +172,35 @@ class Cluster:
         policy: RoutingPolicy | None = None,
     ) -> Route:
         """Where a request would run now (see cluster.routing.plan_route). Raises NoWorkerError."""
-        registered = self.state.workers()
-        handles = self._recent_handles(frozenset(registered))  # a new worker forces a refresh
-        views = [WorkerView.of(wid, info) for wid, info in registered.items() if wid in handles]
+        view = self.view.current()
+        live = view.live()
         bs = self.config.engine.block_size
-        hashes = prefix_hashes(list(prompt_ids), bs)
-        prefill_ids = [v.worker_id for v in views if v.role == "prefill" and v.worker_id not in exclude]
-        cached = self.state.longest_prefix(hashes, prefill_ids) if hashes and prefill_ids else {}
-        route = plan_route(views, cached, len(prompt_ids), params.max_tokens, bs, policy, exclude)
-        if route is None:
-            raise NoWorkerError("no prefill + decode pair (or colocated worker) is up with room for this request")
+        prefill_ids = [w for w, info in live.items() if info.get("role") == "prefill" and w not in exclude]
+        cached = self._cached_blocks(prompt_ids, prefill_ids, view) if prefill_ids else {}
+        with self._route_lock:  # plan and hold as one step, so that a burst sees each other's picks
+            loads = self.ledger.loads(live)
+            views = [WorkerView.of(wid, info, loads[wid]) for wid, info in live.items()]
+            route = plan_route(views, cached, len(prompt_ids), params.max_tokens, bs, policy, exclude)
+            if route is None:
+                raise NoWorkerError("no prefill + decode pair (or colocated worker) is up with room for this request")
+            blocks, uncached = self._cost(len(prompt_ids), params, route)
+            self.ledger.hold(route.decode, route.prefill, blocks, uncached)
         return route
+
+    def _cost(self, prompt_tokens: int, params: SamplingParams, route: Route) -> tuple[int, int]:
+        """Blocks a request on `route` holds on its decode worker, tokens it queues for prefill."""
+        blocks = -(-(prompt_tokens + params.max_tokens) // self.config.engine.block_size)
+        return blocks, max(prompt_tokens - route.cached_tokens, 1)
+
+    def _cached_blocks(self, prompt_ids: Sequence[int], workers: list[str], view: ClusterView) -> dict[str, int]:
+        """The prefix index's answer, or nothing cached if Redis does not answer at once."""
+        hashes = prefix_hashes(list(prompt_ids), self.config.engine.block_size)
+        if not hashes or not view.state_ok:
+            return {}
+        try:
+            return self._fast_state.longest_prefix(hashes, workers)
+        except Exception:
+            return {}
 
     def generate(
         self,
@@ -177,91 +208,51 @@ class Cluster:
         params: SamplingParams,
         request_id: str | None = None,
         route: Route | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        """Prefill on a prefill worker, stream KV to a decode worker, yield its outputs
-        (or, for a route without prefill, run the whole request on a colocated worker).
+    ) -> RequestRun:
+        """Prefill on a prefill worker, stream KV to a decode worker, and its outputs (or, for a
+        route without prefill, the whole request on a colocated worker), as dicts.
 
-        Each output: token_ids, text, finished, finish_reason, ... The first one also has
-        "timing" (queue / prefill / transfer), "transfer" (bytes, seconds, GB/s), the workers
-        and "cached_tokens". `route` defaults to `self.route(...)`.
-        Raises NoWorkerError, WorkerDiedError, KVTransferError, InvalidRequestError."""
+        The first output also has "timing" (queue / prefill / transfer), "transfer" (bytes,
+        seconds, GB/s), the workers and "cached_tokens"; the finished one "migrations". A dead or
+        frozen decode worker after the first token moves the request to another pair (see
+        cluster.request_run). `route` defaults to `self.route(...)`. Iterating raises
+        WorkerDiedError, InvalidRequestError; route() NoWorkerError. `cancel()` from any thread."""
         rid = request_id or uuid.uuid4().hex
         prompt = list(prompt_ids)
         route = route or self.route(prompt, params)
-        handles = self._recent_handles(route.workers)
-        if route.decode not in handles or (route.prefill is not None and route.prefill not in handles):
-            raise WorkerDiedError(f"a worker of {sorted(route.workers)} is gone")
-        if route.prefill is None:
-            yield from self._generate_colocated(handles[route.decode], route.decode, rid, prompt, params)
-            return
-        decode_id, prefill_id = route.decode, route.prefill
-        decode = handles[decode_id]
+        return RequestRun(rid, prompt, params, route, self._attempt, self.route, self.config.max_migrations)
+
+    def _attempt(
+        self, rid: str, prompt: list[int], params: SamplingParams, route: Route, cancel: threading.Event
+    ) -> Attempt:
+        """Start counting one attempt in the ledger; the Attempt takes it back on close()."""
+        view = self.view.current()
+        blocks, uncached = self._cost(len(prompt), params, route)
+        self.ledger.begin(rid, route.decode, route.prefill, blocks, uncached)
+        lease = None
+        if route.prefill is not None:  # the reservation waits out the prefill's queue and compute
+            info = view.registry.get(route.prefill, {})
+            eta = prefill_eta(WorkerView.of(route.prefill, info, self.ledger.load(route.prefill)), route.cached_tokens,
+                              len(prompt))  # fmt: skip
+            lease = MIN_LEASE_S + 2 * eta
         try:
-            reservation = ray.get(decode.reserve.remote(rid, len(prompt)), timeout=10)
-            first = ray.get(handles[prefill_id].prefill.remote(rid, prompt, params, reservation), timeout=120)
-        except ray.exceptions.RayActorError as e:
-            decode.release.remote(rid)
-            raise WorkerDiedError(f"a worker died before the first token: {e}") from e
-        except ray.exceptions.RayTaskError as e:
-            decode.release.remote(rid)
-            raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
-        meta = {
-            "timing": first["timing"],
-            "transfer": first["transfer"],
-            "prefill_worker": prefill_id,
-            "decode_worker": decode_id,
-            "cached_tokens": first["cached_tokens"],
-        }
-        first_logprobs = first.get("logprobs", [])
-        if first["finish_reason"] is not None:  # ended at its first token (EOS, max_tokens=1)
-            decode.release.remote(rid)
-            yield {
-                "token_ids": [first["first_token"]],
-                "text": first.get("text", ""),
-                "finished": True,
-                "finish_reason": first["finish_reason"],
-                "num_prompt_tokens": len(prompt),
-                "num_output_tokens": 1,
-                "logprobs": first_logprobs,
-                **meta,
-            }
-            return
-        gen = decode.generate.options(num_returns="streaming").remote(
-            rid, prompt, first["first_token"], params, self.config.transfer_timeout_s
-        )
-
-        def first_extra(out: dict[str, Any]) -> None:
-            out.update(meta)
-            # the decode side emits the prefill's first token without its logprob
-            out["logprobs"] = [*first_logprobs, *out["logprobs"]][: len(out["token_ids"])]
-
-        yield from _stream(gen, decode, rid, f"decode worker {decode_id} died mid-stream", first_extra)
-
-    def _generate_colocated(
-        self, handle: Any, worker_id: str, rid: str, prompt: list[int], params: SamplingParams
-    ) -> Iterator[dict[str, Any]]:
-        t0 = time.monotonic()
-        gen = handle.generate.options(num_returns="streaming").remote(rid, prompt, params)
-
-        def first_extra(out: dict[str, Any]) -> None:
-            out["timing"] = {"queue_s": 0.0, "prefill_s": time.monotonic() - t0, "transfer_s": 0.0}
-            out["transfer"] = {"bytes": 0, "seconds": 0.0, "gbps": 0.0}
-            out.update(prefill_worker=worker_id, decode_worker=worker_id, cached_tokens=0)
-
-        yield from _stream(gen, handle, rid, f"colocated worker {worker_id} died", first_extra)
+            return Attempt(rid, prompt, params, route, view.handles, self.ledger, cancel, self.config.waits, lease)
+        except BaseException:
+            self.ledger.end(rid)
+            raise
 
     def shutdown(self, kill_manager: bool = True) -> None:
         """Stop what this Cluster started: the pool manager and its workers (unless only
         joined), the embedded Redis, local Ray. Every step is bounded and runs even if an
         earlier one failed (Redis or Ray may already be gone on Ctrl-C)."""
-        steps: list[Callable[[], object]] = []
+        steps: list[Callable[[], object]] = [self.view.stop]
         if kill_manager:
             steps += [
                 lambda: ray.get(self.manager.shutdown.remote(), timeout=20),
                 lambda: ray.kill(self.manager),
                 lambda: self.state.ping() and self.state.flush_namespace(),
             ]
-        steps.append(self.state.close)
+        steps += [self.state.close, self._fast_state.close]
         if self._redis is not None:
             steps.append(self._redis.stop)
         if self.owns_ray:
@@ -271,25 +262,6 @@ class Cluster:
                 step()
             except Exception as e:
                 log.warning("shutdown step failed: %s", e)
-
-
-def _stream(
-    gen: Any, worker: Any, rid: str, died: str, first_extra: Callable[[dict[str, Any]], None]
-) -> Iterator[dict[str, Any]]:
-    """Outputs of a worker's streaming generator, typed errors for a dead worker, and an abort on
-    the worker however the stream ends (finished, failed, or the caller stopped reading)."""
-    try:
-        for i, ref in enumerate(gen):
-            out = dict(ray.get(ref, timeout=60))
-            if i == 0:
-                first_extra(out)
-            yield out
-    except ray.exceptions.RayActorError as e:
-        raise WorkerDiedError(died) from e
-    except ray.exceptions.RayTaskError as e:
-        raise e.as_instanceof_cause() from None  # type: ignore[no-untyped-call]
-    finally:
-        worker.abort.remote(rid)
 
 
 def _role_config(base: EngineConfig, role: str) -> EngineConfig:

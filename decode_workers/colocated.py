@@ -6,9 +6,8 @@ For small deployments, for conditional disaggregation, and as the baseline P/D i
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from decode_workers.worker import output_dict
+from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 
@@ -18,11 +17,11 @@ class ColocatedWorker(WorkerBase):
 
     def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, step_timeout_s: float = 60.0
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[TokenOutput]:
         self._check_open()
         stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
         try:
             for out in stream.iterate(step_timeout_s):
-                yield output_dict(out)
+                yield TokenOutput.of(out)
         finally:
             self.loop.abort(request_id)

@@ -11,23 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.server import KVTransferServer
-
-
-def output_dict(o: RequestOutput) -> dict[str, Any]:
-    return {
-        "token_ids": o.new_token_ids,
-        "text": o.new_text,
-        "finished": o.finished,
-        "finish_reason": o.finish_reason,
-        "num_prompt_tokens": o.num_prompt_tokens,
-        "num_output_tokens": o.num_output_tokens,
-        "logprobs": [(lp.token_id, lp.logprob, list(lp.top)) for lp in o.logprobs],
-    }
 
 
 class DecodeWorker(WorkerBase):
@@ -41,10 +29,11 @@ class DecodeWorker(WorkerBase):
         self.server = KVTransferServer(self.receiver, host=host).start()
         self.endpoint = self.server.endpoint
 
-    def reserve(self, request_id: str, num_tokens: int) -> bytes:
-        """Claim blocks for a prompt's KV; a serialized ReserveResponse (endpoint, token, blocks)."""
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> bytes:
+        """Claim blocks for a prompt's KV; a serialized ReserveResponse (endpoint, token, blocks).
+        `lease_s`: how long they wait for the first chunk (default: the receiver's lease)."""
         self._check_open()
-        return bytes(self.receiver.reserve(request_id, num_tokens).SerializeToString())
+        return bytes(self.receiver.reserve(request_id, num_tokens, lease_s).SerializeToString())
 
     def release(self, request_id: str) -> bool:
         return self.receiver.release(request_id, None, "released by caller")
@@ -57,13 +46,13 @@ class DecodeWorker(WorkerBase):
         params: SamplingParams,
         transfer_timeout_s: float = 10.0,
         step_timeout_s: float = 30.0,
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[TokenOutput]:
         """Wait for the verified transfer, admit, then yield outputs until the request finishes."""
         self.receiver.wait(request_id, transfer_timeout_s)
         stream = self.loop.open(request_id, lambda: self.receiver.admit(request_id, prompt_ids, first_token, params))
         try:
             for out in stream.iterate(step_timeout_s):
-                yield output_dict(out)
+                yield TokenOutput.of(out)
         finally:
             self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
 

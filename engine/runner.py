@@ -76,5 +76,5 @@ class ModelRunner:
             on_layer_done,
         )
         params = [c.request.params for c in completing]
-        index = [c.request.num_output_tokens for c in completing]
+        index = [c.request.num_output_tokens + c.request.params.output_offset for c in completing]
         return self.sampler(logits, params, index)

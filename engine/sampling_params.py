@@ -15,6 +15,10 @@ class SamplingParams:
     request's samples reproducible whatever else shares its batch, and identical whether
     the request runs on one engine or is split across a prefill and a decode engine:
     the random stream of output token i depends only on (seed, i).
+
+    output_offset: how many output tokens came before this run of the request (a request
+    replayed on another worker after a failure, with its emitted tokens appended to the
+    prompt); its first token draws from (seed, output_offset), as it would have uninterrupted.
     """
 
     max_tokens: int = 16
@@ -28,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +50,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if not isinstance(self.output_offset, int) or self.output_offset < 0:
+            raise InvalidRequestError(f"output_offset must be an integer >= 0, got {self.output_offset!r}", "params")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
 

@@ -9,15 +9,37 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.loop import RequestStream
+from engine.messages import TokenOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.errors import KVTransferError
 from kv_transfer.sender import KVTransferClient
+from kv_transfer.stats import TransferStats
 from kv_transfer.streaming import LayerStreamer
 from protos.gen import kv_transfer_pb2 as pb
+
+_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill hands back: the first token (as the decode side would have emitted it,
+    `finished` when the request already ended there), where the time went, what moved."""
+
+    first: TokenOutput
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    transfer: TransferStats
+
+    def timing(self) -> dict[str, float]:
+        return {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "transfer_s": self.transfer_s}
 
 
 class PrefillWorker(WorkerBase):
@@ -47,13 +69,13 @@ class PrefillWorker(WorkerBase):
         prompt_ids: Sequence[int],
         params: SamplingParams,
         reservation: bytes,
-    ) -> dict[str, Any]:
+    ) -> PrefillResult:
         """Prefill, stream KV to `reservation` (a serialized ReserveResponse), commit.
 
-        Returns {"first_token", its "text" and "logprobs" (as the decode side's outputs carry them),
-        "finish_reason" (None unless the request already ended),
-        "timing": {queue_s, prefill_s, transfer_s}, "transfer": stats, "cached_tokens"}.
-        Raises KVTransferError (the decode side frees its lease), InvalidRequestError."""
+        Waits as long as the prompt takes to compute (no fixed deadline: a long prompt or a
+        long queue is not a failure); `abort(request_id)` ends it early, and the transfer has
+        its own progress deadline. Raises KVTransferError (the decode side frees its lease),
+        InvalidRequestError."""
         self._check_open()
         res = pb.ReserveResponse.FromString(reservation)
         t0 = time.monotonic()
@@ -62,7 +84,7 @@ class PrefillWorker(WorkerBase):
         self.streamer.track(request_id, push)
         try:
             stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
-            first = stream.get(self.timeout_s)
+            first = _first_output(stream)
             t1 = time.monotonic()
         except BaseException:
             self.streamer.untrack(request_id)
@@ -80,19 +102,18 @@ class PrefillWorker(WorkerBase):
         finally:
             self.loop.call(lambda e: e.release(request_id))
             self._collect_block_events()
-        return {
-            "first_token": first.new_token_ids[0],
-            "text": first.new_text,
-            "logprobs": [(lp.token_id, lp.logprob, list(lp.top)) for lp in first.logprobs],
-            "finish_reason": None if first.finish_reason == "prefill_done" else first.finish_reason,
-            "cached_tokens": first.num_cached_tokens,
-            "timing": {
-                "queue_s": first.queue_s,
-                "prefill_s": t1 - t0 - first.queue_s,
-                "transfer_s": time.monotonic() - t1,
-            },
-            "transfer": stats.as_dict(),
-        }
+        out = TokenOutput.of(first)
+        if first.finish_reason == "prefill_done":
+            out = TokenOutput(out.token_ids, out.text, False, None, out.num_prompt_tokens, out.num_output_tokens,
+                              out.logprobs)  # fmt: skip
+        return PrefillResult(
+            first=out,
+            cached_tokens=first.num_cached_tokens,
+            queue_s=first.queue_s,
+            prefill_s=t1 - t0 - first.queue_s,
+            transfer_s=time.monotonic() - t1,
+            transfer=stats,
+        )
 
     def _collect_block_events(self) -> None:
         stored, evicted = self.loop.call(lambda e: e.kv.pool.pop_events())
@@ -108,3 +129,12 @@ class PrefillWorker(WorkerBase):
         super().shutdown()
         for c in self._clients.values():
             c.close()
+
+
+def _first_output(stream: RequestStream) -> RequestOutput:
+    """The request's first output, however long the queue and the prompt take."""
+    while True:
+        try:
+            return stream.get(_POLL_S)
+        except TimeoutError:
+            continue

@@ -122,4 +122,6 @@ class ClusterBackend:
         return self.cluster.drain(worker_id)
 
     def ready(self) -> bool:
-        return ready_from(self.cluster.workers())
+        """From the request path's view: still true while Redis is away, as serving is."""
+        view = self.cluster.view.current()
+        return ready_from([{**info, "state": "up"} for info in view.live().values()])

@@ -54,6 +54,7 @@ class Trace:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    migrations: int = 0
     status: int = 200
     error: str | None = None
     recorded: bool = False
@@ -83,6 +84,7 @@ class Trace:
             "transfer_bytes": moved.get("bytes", 0),
             "transfer_gbps": moved.get("gbps", 0.0),
             "attempts": len(self.engine_ids),
+            "migrations": self.migrations,
         }
 
     def log_line(self) -> str:
@@ -124,6 +126,7 @@ class Run:
             yield out
             if out.get("finished"):
                 trace.finish_reason = out.get("finish_reason")
+                trace.migrations = int(out.get("migrations", 0))
                 return
 
     def close(self) -> None:

@@ -2,8 +2,10 @@
 
 The iterator is created, advanced and closed on the pump's own thread only, so `close()` is
 safe at any moment: a `next` in progress finishes first, then the iterator's `close()` runs its
-`finally` (the cluster's abort, which frees the request's KV) on that thread. Nothing is read
-ahead, so a slow client holds one item at most.
+`finally` (the cluster's abort, which frees the request's KV) on that thread. An iterator with a
+thread-safe `cancel()` (cluster.request_run.RequestRun) is also cancelled by `close()` at once,
+so a `next` blocked in a queue, a prefill or a transfer ends now instead of when its work is
+done. Nothing is read ahead, so a slow client holds one item at most.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class ThreadPump(Generic[T]):
         self._loop = asyncio.get_running_loop()
         self._asks: queue.SimpleQueue[asyncio.Future[T | None] | None] = queue.SimpleQueue()
         self._ended = False
+        self._it: Iterator[T] | None = None
         self.closed = threading.Event()  # set once the iterator is closed and the thread is done
         self._thread = threading.Thread(target=self._run, args=(make,), name=name, daemon=True)
         self._thread.start()
@@ -39,6 +42,9 @@ class ThreadPump(Generic[T]):
         """Stop: close the iterator after any `next` in progress. Idempotent, never blocks."""
         self._ended = True
         self._asks.put(None)
+        cancel = getattr(self._it, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     def _run(self, make: Callable[[], Iterator[T]]) -> None:
         it: Iterator[T] | None = None
@@ -46,7 +52,9 @@ class ThreadPump(Generic[T]):
             while (fut := self._asks.get()) is not None:
                 try:
                     if it is None:
-                        it = make()
+                        it = self._it = make()
+                        if self._ended:  # closed while it was being made
+                            getattr(it, "cancel", lambda: None)()
                     item = next(it)
                 except StopIteration:
                     self._ended = True

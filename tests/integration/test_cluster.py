@@ -70,7 +70,7 @@ def test_parity_with_one_engine_and_colocated(cluster: Cluster, engine_fp32: Eng
         assert set(outs[0]["timing"]) == {"queue_s", "prefill_s", "transfer_s"} and outs[0]["transfer"]["bytes"] > 0
         (colo,) = [h for wid, h in cluster.handles().items() if wid.startswith("c")]
         gen = colo.generate.options(num_returns="streaming").remote("colo-" + q[:8], ids, GREEDY)
-        assert tokens_of([ray.get(r) for r in gen]) == expected
+        assert [t for r in gen for t in ray.get(r).token_ids] == expected
     cluster.scale("colocated", 0)
     until(lambda: count(cluster, "colocated", "up") == 0, 60, "the colocated worker to drain")
     cluster.check_integrity()
@@ -140,9 +140,10 @@ def test_killed_decode_worker_is_replaced_and_its_requests_fail_cleanly(cluster:
 
 
 def test_redis_restart_while_idle(cluster: Cluster, engine_fp32: Engine) -> None:
-    assert cluster._redis is not None
+    redis = cluster.embedded_redis
+    assert redis is not None
     before = {w["worker_id"] for w in cluster.workers()}
-    cluster._redis.restart()  # no persistence: every key is gone
+    redis.restart()  # no persistence: every key is gone
     until(lambda: set(cluster.state.workers()) >= before, 30, "workers to re-register")
     until(lambda: cluster.state.desired().get("decode") == 1, 30, "desired sizes restored")
     ids = chat(engine_fp32, "Say hello.")

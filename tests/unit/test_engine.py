@@ -138,6 +138,19 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model: LlamaModel) ->
     assert e.generate([[1, 2, 3]], params)[0].token_ids == a
 
 
+@pytest.mark.parametrize("cut", [1, 4, 9])
+def test_replayed_equals_uninterrupted(tiny_model: LlamaModel, cut: int) -> None:
+    """Failover by replay: prompt + the first `cut` tokens as a new prompt, with output_offset=cut,
+    continues exactly as the uninterrupted run, greedy and seeded."""
+    from dataclasses import replace
+
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
+    for params in (GREEDY, seeded):
+        whole = alone(tiny_model, [5, 6, 7, 8, 9], params)
+        rest = replace(params, max_tokens=params.max_tokens - cut, output_offset=cut)
+        assert whole[:cut] + alone(tiny_model, [5, 6, 7, 8, 9, *whole[:cut]], rest) == whole
+
+
 def test_stop_token_and_max_tokens(tiny_model: LlamaModel) -> None:
     base = alone(tiny_model, [3, 1, 4, 1, 5])
     stop_at = base[4]

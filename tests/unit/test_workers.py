@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerDraining
 from kv_transfer.errors import KVTransferError
-from prefill_workers.worker import PrefillWorker
+from prefill_workers.worker import PrefillResult, PrefillWorker
 from tests.unit.tiny import TINY, tiny_weights
 
 CFG = EngineConfig(dtype="fp32", block_size=4, num_blocks=128, max_num_batched_tokens=16)
@@ -41,10 +41,10 @@ def workers(model_dir: str) -> Iterator[tuple[PrefillWorker, DecodeWorker, Coloc
         w.shutdown()
 
 
-def disaggregated(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> tuple[list[int], dict]:
+def disaggregated(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> tuple[list[int], PrefillResult]:
     res = d.reserve(rid, len(prompt))
     out = p.prefill(rid, prompt, PARAMS, res)
-    tokens = [t for o in d.generate(rid, prompt, out["first_token"], PARAMS) for t in o["token_ids"]]
+    tokens = [t for o in d.generate(rid, prompt, out.first.token_ids[0], PARAMS) for t in o.token_ids]
     return tokens, out
 
 
@@ -53,9 +53,9 @@ def test_disaggregated_equals_colocated(workers: tuple[PrefillWorker, DecodeWork
     for i, n in enumerate((3, 17, 40)):
         prompt = [(7 * j + i) % 128 for j in range(n)]
         tokens, out = disaggregated(p, d, f"r{i}", prompt)
-        alone = [t for o in c.generate(f"c{i}", prompt, PARAMS) for t in o["token_ids"]]
+        alone = [t for o in c.generate(f"c{i}", prompt, PARAMS) for t in o.token_ids]
         assert tokens == alone
-        assert set(out["timing"]) == {"queue_s", "prefill_s", "transfer_s"} and out["transfer"]["bytes"] > 0
+        assert set(out.timing()) == {"queue_s", "prefill_s", "transfer_s"} and out.transfer.bytes > 0
     for w in workers:
         w.check_integrity()
     assert d.stats()["free_blocks"] == 128 and p.stats()["free_blocks"] == 128
@@ -68,7 +68,7 @@ def test_prefix_cache_reuse_is_reported(workers: tuple[PrefillWorker, DecodeWork
     stored, _ = p.pop_block_events()
     assert stored, "cached block hashes are reported for the prefix index"
     _, out = disaggregated(p, d, "b", prompt + [5])
-    assert out["cached_tokens"] == 28
+    assert out.cached_tokens == 28
 
 
 def test_abort_mid_stream_frees_blocks(workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker]) -> None:

@@ -1,0 +1,56 @@
+"""What a worker sends back across processes, per request: small, frozen, picklable values.
+
+TokenOutput     one step's news for one request (decode and colocated streams, and the
+                first token a prefill worker samples)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.outputs import RequestOutput
+from engine.sampler import TokenLogprob
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New tokens of one request. `num_output_tokens` counts every output token so far."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def of(cls, o: RequestOutput) -> TokenOutput:
+        return cls(
+            tuple(o.new_token_ids),
+            o.new_text,
+            o.finished,
+            o.finish_reason,
+            o.num_prompt_tokens,
+            o.num_output_tokens,
+            tuple(o.logprobs),
+        )
+
+    def shifted(self, prompt_tokens: int, earlier_outputs: int) -> TokenOutput:
+        """As seen by the client of a request replayed after `earlier_outputs` tokens: the
+        replay's prompt held those tokens, so they move from the prompt to the output count."""
+        return replace(
+            self, num_prompt_tokens=prompt_tokens, num_output_tokens=self.num_output_tokens + earlier_outputs
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """The router's view of an output (logprobs as (id, logprob, top) entries)."""
+        return {
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "logprobs": [(lp.token_id, lp.logprob, list(lp.top)) for lp in self.logprobs],
+        }

@@ -1,0 +1,138 @@
+"""Failover by replay (cluster.request_run) and the request path's view (cluster.view), with
+fakes only at their declared boundaries: the StartAttempt / Reroute callables, the readers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from cluster.handoff import AttemptFailed
+from cluster.request_run import RequestRun, WorkerDiedError
+from cluster.routing import Route
+from cluster.view import ViewRefresher
+from engine.messages import TokenOutput
+from engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.7, seed=3)
+
+
+@dataclass
+class FakeAttempt:
+    """Emits `tokens` one at a time (output counts as a worker would), then fails if `fail_after`."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    route: Route
+    tokens: list[int]
+    fail_after: int | None = None
+    meta: dict[str, object] = field(default_factory=dict)
+    closed: bool = False
+
+    def run(self) -> Iterator[TokenOutput]:
+        self.meta = {"decode_worker": self.route.decode}
+        n = len(self.tokens) if self.fail_after is None else self.fail_after
+        for i, t in enumerate(self.tokens[:n]):
+            done = self.fail_after is None and i == len(self.tokens) - 1
+            yield TokenOutput((t,), f"<{t}>", done, "length" if done else None, len(self.prompt), i + 1)
+        if self.fail_after is not None:
+            raise AttemptFailed(f"{self.route.decode} died", self.route.decode)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Script:
+    """Hands out FakeAttempts: the whole answer is 10..15; attempt k fails after fails[k] tokens."""
+
+    def __init__(self, fails: list[int | None]) -> None:
+        self.fails = fails
+        self.attempts: list[FakeAttempt] = []
+        self.reroutes: list[tuple[list[int], SamplingParams, frozenset[str]]] = []
+
+    def start(self, rid: str, prompt: list[int], params: SamplingParams, route: Route, cancel: threading.Event):  # type: ignore[no-untyped-def]
+        done = len(prompt) - 2  # the prompt is [1, 2] + what was emitted so far
+        a = FakeAttempt(rid, prompt, params, route, list(range(10 + done, 16)), self.fails[len(self.attempts)])
+        self.attempts.append(a)
+        return a
+
+    def reroute(self, prompt: list[int], params: SamplingParams, exclude: frozenset[str]) -> Route:
+        self.reroutes.append((prompt, params, exclude))
+        return Route(decode=f"d{len(self.reroutes) + 1}", prefill="p1")
+
+
+def test_a_dead_decode_worker_mid_stream_is_replayed_without_a_gap() -> None:
+    s = Script([2, None])
+    outs = list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, s.reroute))  # type: ignore[arg-type]
+    assert [t for o in outs for t in o["token_ids"]] == [10, 11, 12, 13, 14, 15]
+    assert [o["num_output_tokens"] for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert {o["num_prompt_tokens"] for o in outs} == {2}
+    assert outs[0]["decode_worker"] == "d1" and "decode_worker" not in outs[2]
+    assert outs[-1]["finished"] and outs[-1]["migrations"] == 1
+    ((prompt, params, exclude),) = s.reroutes
+    assert prompt == [1, 2, 10, 11] and exclude == {"d1"} and params.max_tokens == 4
+    second = s.attempts[1]
+    assert second.request_id == "r.m1" and second.prompt == [1, 2, 10, 11]
+    assert (second.params.max_tokens, second.params.output_offset, second.params.seed) == (4, 2, 3)
+    assert all(a.closed for a in s.attempts)
+
+
+def test_migrations_are_bounded() -> None:
+    s = Script([1, 1, 1])
+    run = RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, s.reroute, max_migrations=2)  # type: ignore[arg-type]
+    got = []
+    with pytest.raises(WorkerDiedError, match="after 2 migration"):
+        for o in run:
+            got += o["token_ids"]
+    assert got == [10, 11, 12] and all(a.closed for a in s.attempts)
+
+
+def test_a_failure_before_any_token_is_left_to_the_router() -> None:
+    s = Script([0])
+    with pytest.raises(WorkerDiedError, match="before its first token"):
+        list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, s.reroute))  # type: ignore[arg-type]
+    assert s.reroutes == [] and s.attempts[0].closed
+
+
+def test_no_other_worker_ends_cleanly() -> None:
+    s = Script([2])
+
+    def nowhere(prompt: list[int], params: SamplingParams, exclude: frozenset[str]) -> Route:
+        from cluster.cluster import NoWorkerError
+
+        raise NoWorkerError("no decode worker has room")
+
+    with pytest.raises(WorkerDiedError, match="no other worker"):
+        list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, nowhere))  # type: ignore[arg-type]
+
+
+def test_view_keeps_the_last_known_state_when_a_source_fails() -> None:
+    registry: dict[str, dict[str, object]] = {"d1": {"role": "decode"}, "p1": {"role": "prefill"}}
+    handles: dict[str, object] = {"d1": object(), "p1": object()}
+    broken = {"redis": False, "manager": False}
+    seen = []
+
+    def read_registry() -> dict[str, dict[str, object]]:
+        if broken["redis"]:
+            raise ConnectionError("redis is down")
+        return dict(registry)
+
+    def read_handles() -> dict[str, object]:
+        if broken["manager"]:
+            raise TimeoutError("the pool manager is slow")
+        return dict(handles)
+
+    v = ViewRefresher(read_registry, read_handles, on_refresh=seen.append)
+    first = v.refresh()
+    assert set(first.live()) == {"d1", "p1"} and first.state_ok and seen == [first]
+    broken["redis"] = True
+    del registry["p1"]
+    second = v.refresh()
+    assert set(second.live()) == {"d1", "p1"} and not second.state_ok  # routing goes on from the last registry
+    broken["redis"], broken["manager"] = False, True
+    third = v.refresh()
+    assert set(third.live()) == {"d1"} and third.state_ok and seen == [first, second]  # no reconcile on stale handles
+    assert v.current() is third
