@@ -21,6 +21,7 @@ BENCHES = {
     "compare": "bench.compare",
     "prefix": "bench.prefix_bench",
     "router": "bench.router_overhead",
+    "chaos": "bench.chaos",
 }
 
 
@@ -40,7 +41,7 @@ def _admin(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
-    "bench": (_bench, "benchmarks: engine, transfer, serve, compare, prefix, router"),
+    "bench": (_bench, "benchmarks: engine, transfer, serve, compare, prefix, router, chaos"),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
 }
 
