@@ -210,10 +210,10 @@ class Cluster:
         route: Route | None = None,
     ) -> RequestRun:
         """Prefill on a prefill worker, stream KV to a decode worker, and its outputs (or, for a
-        route without prefill, the whole request on a colocated worker), as dicts.
+        route without prefill, the whole request on a colocated worker), as StreamOutputs.
 
-        The first output also has "timing" (queue / prefill / transfer), "transfer" (bytes,
-        seconds, GB/s), the workers and "cached_tokens"; the finished one "migrations". A dead or
+        The first output carries a Placement (workers, cached prefix, queue / prefill / transfer
+        times, bytes moved); the finished one the number of migrations. A dead or
         frozen decode worker after the first token moves the request to another pair (see
         cluster.request_run). `route` defaults to `self.route(...)`. Iterating raises
         WorkerDiedError, InvalidRequestError; route() NoWorkerError. `cancel()` from any thread."""

@@ -30,6 +30,7 @@ from typing import Any
 import ray
 
 from cluster.inflight import InflightLedger
+from cluster.outputs import Placement
 from cluster.routing import Route
 from engine.errors import EngineError, InvalidRequestError
 from engine.messages import TokenOutput
@@ -109,8 +110,8 @@ class Liveness:
 class Attempt:
     """Runs `prompt` once on `route`; iterate `run()`, then `close()` (always, idempotent).
 
-    `meta` holds the first output's timing, transfer figures and workers once the prefill is
-    done. Raises AttemptFailed, Cancelled, or InvalidRequestError (bad input: not retried)."""
+    `placement` says where the first token was made, and what it cost, once it was.
+    Raises AttemptFailed, Cancelled, or InvalidRequestError (bad input: not retried)."""
 
     def __init__(
         self,
@@ -133,7 +134,7 @@ class Attempt:
         self.waits = waits
         self.lease_s = lease_s
         self.stage = Stage.NEW
-        self.meta: dict[str, Any] = {}
+        self.placement: Placement | None = None
         missing = [w for w in route.workers if w not in handles]
         if missing:
             raise AttemptFailed(f"worker {missing[0]} is gone", missing[0])
@@ -154,13 +155,8 @@ class Attempt:
         result: PrefillResult = self._await(prefill.prefill.remote(rid, self.prompt, self.params, reservation), live)
         self.stage = Stage.PREFILLED
         self.ledger.prefilled(rid, len(self.prompt) - result.cached_tokens, result.prefill_s)
-        self.meta = {
-            "timing": result.timing(),
-            "transfer": result.transfer.as_dict(),
-            "prefill_worker": route.prefill,
-            "decode_worker": route.decode,
-            "cached_tokens": result.cached_tokens,
-        }
+        times = (result.queue_s, result.prefill_s, result.transfer_s)
+        self.placement = Placement.of(str(route.prefill), route.decode, result.cached_tokens, times, result.transfer)
         if result.first.finished:  # ended at its first token (EOS, max_tokens=1)
             self.decode.release.remote(rid)
             self.stage = Stage.DONE
@@ -185,13 +181,8 @@ class Attempt:
         first = True
         for out in self._stream(gen, self.route.decode):
             if first:
-                self.meta = {
-                    "timing": {"queue_s": 0.0, "prefill_s": time.monotonic() - t0, "transfer_s": 0.0},
-                    "transfer": {"bytes": 0, "seconds": 0.0, "gbps": 0.0},
-                    "prefill_worker": self.route.decode,
-                    "decode_worker": self.route.decode,
-                    "cached_tokens": 0,
-                }
+                worker = self.route.decode
+                self.placement = Placement(worker, worker, prefill_s=time.monotonic() - t0)
                 first = False
             yield out
 

@@ -17,9 +17,9 @@ import logging
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import replace
-from typing import Any
 
 from cluster.handoff import Attempt, AttemptFailed
+from cluster.outputs import StreamOutput
 from cluster.routing import Route
 from engine.errors import EngineError
 from engine.sampling_params import SamplingParams
@@ -36,10 +36,10 @@ Reroute = Callable[[list[int], SamplingParams, frozenset[str]], Route]
 
 
 class RequestRun:
-    """An iterator of output dicts (as the router reads them), with `cancel()` from any thread.
+    """An iterator of StreamOutputs, with `cancel()` from any thread.
 
-    The first output carries the first attempt's `meta` (timing, transfer, workers); the
-    finished one carries `migrations`. `close()` ends the run and frees its workers."""
+    The first output carries the first attempt's Placement; the finished one the number of
+    migrations. `close()` ends the run and frees its workers."""
 
     def __init__(
         self,
@@ -59,7 +59,7 @@ class RequestRun:
     def __iter__(self) -> RequestRun:
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> StreamOutput:
         return next(self._gen)
 
     def cancel(self) -> None:
@@ -78,7 +78,7 @@ class RequestRun:
         start: StartAttempt,
         reroute: Reroute,
         max_migrations: int,
-    ) -> Generator[dict[str, Any], None, None]:
+    ) -> Generator[StreamOutput, None, None]:
         emitted: list[int] = []
         attempt_id = self.request_id
         while True:
@@ -90,13 +90,10 @@ class RequestRun:
             earlier = len(emitted)
             try:
                 for out in attempt.run():
-                    row = out.shifted(len(prompt), earlier).as_dict()
-                    if not emitted and attempt.meta:
-                        row.update(attempt.meta)
-                    if out.finished:
-                        row["migrations"] = self.migrations
+                    placement = attempt.placement if not emitted else None
+                    migrations = self.migrations if out.finished else 0
                     emitted += out.token_ids
-                    yield row
+                    yield StreamOutput.of(out.shifted(len(prompt), earlier), placement, migrations)
                 return
             except AttemptFailed as e:
                 if not emitted:

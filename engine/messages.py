@@ -42,15 +42,3 @@ class TokenOutput:
         return replace(
             self, num_prompt_tokens=prompt_tokens, num_output_tokens=self.num_output_tokens + earlier_outputs
         )
-
-    def as_dict(self) -> dict[str, object]:
-        """The router's view of an output (logprobs as (id, logprob, top) entries)."""
-        return {
-            "token_ids": list(self.token_ids),
-            "text": self.text,
-            "finished": self.finished,
-            "finish_reason": self.finish_reason,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_output_tokens": self.num_output_tokens,
-            "logprobs": [(lp.token_id, lp.logprob, list(lp.top)) for lp in self.logprobs],
-        }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cluster.outputs import StreamOutput
 from cluster.routing import Route, RoutingPolicy
 from engine.gguf_file import GGUFFile
 from engine.sampling_params import SamplingParams
@@ -45,9 +46,10 @@ class Backend(Protocol):
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
-    ) -> Iterator[dict[str, Any]]:
-        """Run the request on `route`; outputs as `Cluster.generate` yields them. Closing the
-        iterator aborts the request and frees its KV on every worker it touched."""
+    ) -> Iterator[StreamOutput]:
+        """Run the request on `route`; outputs as `Cluster.generate` yields them (the first with
+        its Placement). Closing the iterator aborts the request and frees its KV on every worker it
+        touched; an iterator with `cancel()` is cancelled from any thread when its client leaves."""
         ...
 
     def status(self) -> dict[str, Any]:
@@ -109,7 +111,7 @@ class ClusterBackend:
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[StreamOutput]:
         return self.cluster.generate(prompt_ids, params, request_id, route)
 
     def status(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from cluster.cluster import NoWorkerError
+from cluster.outputs import Placement, StreamOutput
 from cluster.routing import Route, retry_exclusions
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ class Trace:
     t_dispatch: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
-    first: dict[str, Any] = field(default_factory=dict)
+    placement: Placement | None = None
     engine_ids: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -62,11 +63,10 @@ class Trace:
     def timing(self) -> dict[str, Any]:
         """queue (router + worker), prefill, transfer, first decode (transfer done to first token
         back here), decode (first to last token), plus TTFT, E2E and where it ran."""
-        w = self.first.get("timing", {})
-        worker_queue, prefill, transfer = (float(w.get(k, 0.0)) for k in ("queue_s", "prefill_s", "transfer_s"))
+        p = self.placement or Placement("", "")
+        worker_queue, prefill, transfer = p.queue_s, p.prefill_s, p.transfer_s
         end = self.t_last or time.monotonic()
         first = self.t_first or end
-        moved = self.first.get("transfer", {})
         out = {
             "queue_s": self.router_queue_s + worker_queue,
             "prefill_s": prefill,
@@ -78,31 +78,33 @@ class Trace:
         }
         return {
             **{k: round(v, 6) for k, v in out.items()},
-            "prefill_worker": self.first.get("prefill_worker"),
-            "decode_worker": self.first.get("decode_worker"),
-            "cached_tokens": self.first.get("cached_tokens", 0),
-            "transfer_bytes": moved.get("bytes", 0),
-            "transfer_gbps": moved.get("gbps", 0.0),
+            "prefill_worker": p.prefill_worker or None,
+            "decode_worker": p.decode_worker or None,
+            "cached_tokens": p.cached_tokens,
+            "transfer_bytes": p.transfer_bytes,
+            "transfer_gbps": round(p.transfer_gbps, 3),
             "attempts": len(self.engine_ids),
             "migrations": self.migrations,
         }
 
     def log_line(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if not k.startswith("t_") and k not in ("first", "recorded")}
+        fields = {
+            k: v for k, v in asdict(self).items() if not k.startswith("t_") and k not in ("placement", "recorded")
+        }
         return json.dumps({"event": "request", **fields, "timing": self.timing()}, default=str)
 
 
 class Run:
     """An admitted request with its first output in hand. `close()` exactly once (idempotent)."""
 
-    def __init__(self, pump: ThreadPump[dict[str, Any]], first: dict[str, Any], trace: Trace, d: Dispatcher) -> None:
+    def __init__(self, pump: ThreadPump[StreamOutput], first: StreamOutput, trace: Trace, d: Dispatcher) -> None:
         self._pump = pump
-        self._first: dict[str, Any] | None = first
+        self._first: StreamOutput | None = first
         self._trace = trace
         self._d = d
         self._closed = False
 
-    async def outputs(self) -> AsyncIterator[dict[str, Any]]:
+    async def outputs(self) -> AsyncIterator[StreamOutput]:
         """The backend's outputs until one is finished. Raises StreamEndedError, or what the backend raised."""
         trace, m = self._trace, self._d.metrics
         while True:
@@ -114,19 +116,19 @@ class Run:
                     raise StreamEndedError("the worker's token stream ended early")
                 out = nxt
                 now = time.monotonic()
-                n = len(out.get("token_ids", []))
+                n = len(out.token_ids)
                 if n:
                     gap = (now - trace.t_last) / n
                     for _ in range(n):
                         m.itl.observe(gap)
                 trace.t_last = now
-            trace.completion_tokens += len(out.get("token_ids", []))
-            if out.get("finish_reason") == "abort":
+            trace.completion_tokens += len(out.token_ids)
+            if out.finish_reason == "abort":
                 raise StreamEndedError("the request was aborted on the worker")
             yield out
-            if out.get("finished"):
-                trace.finish_reason = out.get("finish_reason")
-                trace.migrations = int(out.get("migrations", 0))
+            if out.finished:
+                trace.finish_reason = out.finish_reason
+                trace.migrations = out.migrations
                 return
 
     def close(self) -> None:
@@ -170,7 +172,7 @@ class Dispatcher:
             engine_id = f"{trace.request_id}.{uuid.uuid4().hex[:8]}"
             trace.engine_ids.append(engine_id)
             trace.t_dispatch = time.monotonic()
-            pump: ThreadPump[dict[str, Any]] = ThreadPump(
+            pump: ThreadPump[StreamOutput] = ThreadPump(
                 partial(self.backend.generate, prompt, params, engine_id, route), name=f"req-{engine_id}"
             )
             try:
@@ -193,7 +195,7 @@ class Dispatcher:
                 pump.close()
                 raise
             trace.t_first = trace.t_last = time.monotonic()
-            trace.first = {k: v for k, v in first.items() if k not in ("token_ids", "text", "logprobs")}
+            trace.placement = first.placement
             self._observe_first(trace)
             return Run(pump, first, trace, self)
 
@@ -214,9 +216,8 @@ class Dispatcher:
     def _observe_first(self, trace: Trace) -> None:
         m = self.metrics
         m.ttft.observe(trace.t_first - trace.t_arrival)
-        m.prefill_time.observe(float(trace.first.get("timing", {}).get("prefill_s", 0.0)))
-        m.observe_transfer(trace.first.get("transfer", {}))
-        m.cached_tokens.inc(int(trace.first.get("cached_tokens", 0)))
+        if trace.placement is not None:
+            m.observe_first(trace.placement)
 
     def finish(self, trace: Trace) -> None:
         """Record a request that has ended, well or not: metrics and its one log line (once)."""

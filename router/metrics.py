@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cluster.outputs import Placement
+
 P = "tandem:"
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _BYTES = tuple(float(4**i * 1024) for i in range(12))  # 1 KiB .. 4 GiB
@@ -52,12 +54,15 @@ class Metrics:
             f"{P}kv_transfer_gbps", "KV transfer throughput per request (GB/s).", registry=r, buckets=_GBPS
         )
 
-    def observe_transfer(self, transfer: dict[str, Any]) -> None:
-        if int(transfer.get("bytes", 0)) <= 0:
+    def observe_first(self, p: Placement) -> None:
+        """The first token's breakdown: prefill time, prefix hit, and the KV transfer if any."""
+        self.prefill_time.observe(p.prefill_s)
+        self.cached_tokens.inc(p.cached_tokens)
+        if p.transfer_bytes <= 0:
             return  # a colocated run moved nothing
-        self.transfer_bytes.observe(float(transfer["bytes"]))
-        self.transfer_seconds.observe(float(transfer.get("seconds", 0.0)))
-        self.transfer_gbps.observe(float(transfer.get("gbps", 0.0)))
+        self.transfer_bytes.observe(float(p.transfer_bytes))
+        self.transfer_seconds.observe(p.transfer_seconds)
+        self.transfer_gbps.observe(p.transfer_gbps)
 
     def set_workers(self, workers: Sequence[dict[str, Any]]) -> None:
         self.kv_usage.clear()

@@ -121,8 +121,8 @@ async def _whole(d: Dispatcher, run: Run, shape: Shape, trace: Trace, request: R
 
     async def collect() -> None:
         async for out in run.outputs():
-            texts.append(out.get("text", ""))
-            entries.extend(out.get("logprobs") or [])
+            texts.append(out.text)
+            entries.extend(out.logprobs)
 
     try:
         done = await _unless_disconnected(request, collect())
@@ -188,10 +188,10 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
         if chat:
             yield sse(shape.chunk("", role=True, include_usage=include_usage))
         async for out in run.outputs():
-            text = out.get("text", "")
-            lp = shape.logprobs(out.get("logprobs") or [], offset)
+            text = out.text
+            lp = shape.logprobs(out.logprobs, offset)
             offset += len(text)
-            finish = out.get("finish_reason") if out.get("finished") else None
+            finish = out.finish_reason if out.finished else None
             if chat and (text or lp):
                 yield sse(shape.chunk(text, None, lp, include_usage=include_usage))
             if finish or (not chat and (text or lp)):

@@ -9,10 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampler import TokenLogprob
 from engine.tokenizer import Tokenizer
 
-# One engine logprob entry: (token_id, logprob, [(top_id, top_logprob), ...]).
-LogprobEntry = Sequence[Any]
 # What OpenAI reports for a token of no probability: JSON has no -inf (nor NaN).
 NO_PROBABILITY = -9999.0
 
@@ -39,30 +38,30 @@ class Shape:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def logprobs(self, entries: Sequence[LogprobEntry], offset: int = 0) -> dict[str, Any] | None:
+    def logprobs(self, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
         """The `logprobs` object of a choice; None when none were asked for."""
         if not entries:
             return None
         if self.kind == "chat":
             return {"content": [self._chat_logprob(e) for e in entries]}
-        tokens = [self._token(int(e[0])) for e in entries]
+        tokens = [self._token(int(e.token_id)) for e in entries]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [_logprob(e[1]) for e in entries],
-            "top_logprobs": [{self._token(int(i)): _logprob(lp) for i, lp in e[2]} for e in entries],
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{self._token(int(i)): _logprob(lp) for i, lp in e.top} for e in entries],
             "text_offset": offsets,
         }
 
-    def _chat_logprob(self, e: LogprobEntry) -> dict[str, Any]:
+    def _chat_logprob(self, e: TokenLogprob) -> dict[str, Any]:
         def one(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token(token_id)
             return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
-        return {**one(int(e[0]), e[1]), "top_logprobs": [one(int(i), lp) for i, lp in e[2]]}
+        return {**one(int(e.token_id), e.logprob), "top_logprobs": [one(int(i), lp) for i, lp in e.top]}
 
     def _choice(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None, delta: bool) -> Any:
         if self.kind == "completion":

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from cluster.cluster import Cluster, ClusterConfig, WorkerDiedError
+from cluster.outputs import StreamOutput
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineError
@@ -55,8 +56,8 @@ def chat(engine: Engine, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def tokens_of(outs: list[dict[str, Any]]) -> list[int]:
-    return [t for o in outs for t in o["token_ids"]]
+def tokens_of(outs: list[StreamOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
 
 
 def test_parity_with_one_engine_and_colocated(cluster: Cluster, engine_fp32: Engine) -> None:
@@ -67,7 +68,8 @@ def test_parity_with_one_engine_and_colocated(cluster: Cluster, engine_fp32: Eng
         outs = list(cluster.generate(ids, GREEDY))
         expected = engine_fp32.generate([ids], GREEDY)[0].token_ids
         assert tokens_of(outs) == expected
-        assert set(outs[0]["timing"]) == {"queue_s", "prefill_s", "transfer_s"} and outs[0]["transfer"]["bytes"] > 0
+        placement = outs[0].placement
+        assert placement is not None and placement.prefill_s > 0 and placement.transfer_bytes > 0
         (colo,) = [h for wid, h in cluster.handles().items() if wid.startswith("c")]
         gen = colo.generate.options(num_returns="streaming").remote("colo-" + q[:8], ids, GREEDY)
         assert [t for r in gen for t in ray.get(r).token_ids] == expected
@@ -81,12 +83,14 @@ def test_prefix_index_routes_to_the_worker_that_holds_it(cluster: Cluster, engin
     until(lambda: count(cluster, "prefill") == 2, 180, "two prefill workers")
     history = chat(engine_fp32, "Here is a long story about a lighthouse keeper. " * 12)
     first = next(iter(cluster.generate(history, GREEDY)))
-    holder = first["prefill_worker"]
+    assert first.placement is not None
+    holder = first.placement.prefill_worker
     hashes = prefix_hashes(history[:-1], cluster.config.engine.block_size)
     until(lambda: cluster.state.longest_prefix(hashes, [holder]).get(holder, 0) == len(hashes), 10, "the index")
     second = next(iter(cluster.generate(history + [198, 504], GREEDY)))
-    assert second["prefill_worker"] == holder
-    assert second["cached_tokens"] > 0
+    assert second.placement is not None
+    assert second.placement.prefill_worker == holder
+    assert second.placement.cached_tokens > 0
     cluster.scale("prefill", 1)
     until(lambda: count(cluster, "prefill") == 1, 60, "prefill back to 1")
     cluster.check_integrity()
@@ -121,7 +125,8 @@ def test_killed_decode_worker_is_replaced_and_its_requests_fail_cleanly(cluster:
     ids = chat(engine_fp32, "Tell me a long story about a dragon.")
     gen = cluster.generate(ids, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     first = next(gen)
-    victim = first["decode_worker"]
+    assert first.placement is not None
+    victim = first.placement.decode_worker
     ray.kill(cluster.handles()[victim])
     t = time.monotonic()
     with pytest.raises((WorkerDiedError, EngineError)):

@@ -17,7 +17,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cluster import NoWorkerError, WorkerDiedError
+from cluster.outputs import Placement, StreamOutput
 from cluster.routing import Route, WorkerView, plan_route
+from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.app import create_app
@@ -66,7 +68,7 @@ class FakeBackend:
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[StreamOutput]:
         self.started.append(request_id)
         try:
             if self.gate is not None:
@@ -77,22 +79,20 @@ class FakeBackend:
                 time.sleep(self.token_delay_s)
                 tok = self.text_ids[i % len(self.text_ids)]
                 last = i + 1 == params.max_tokens
-                out: dict[str, Any] = {
-                    "token_ids": [tok],
-                    "text": self.tokenizer.decode([tok]),
-                    "finished": last,
-                    "finish_reason": "length" if last else None,
-                    "num_prompt_tokens": len(prompt_ids),
-                    "num_output_tokens": i + 1,
-                    "logprobs": [] if params.logprobs is None else [(tok, -0.25, [(tok, -0.25)] * params.logprobs)],
-                }
+                logprobs = (
+                    () if params.logprobs is None else (TokenLogprob(tok, -0.25, ((tok, -0.25),) * params.logprobs),)
+                )
                 if self.malformed:
-                    out["logprobs"] = [("not a token id",)]
+                    logprobs = (TokenLogprob("not a token id", 0.0, ()),)  # type: ignore[arg-type]
+                placement = None
                 if i == 0:
-                    out["timing"] = {"queue_s": 0.001, "prefill_s": 0.01, "transfer_s": 0.002}
-                    out["transfer"] = {"bytes": 4096, "seconds": 0.002, "gbps": 2.048}
-                    out.update(prefill_worker=route.prefill, decode_worker=route.decode, cached_tokens=0)
-                yield out
+                    placement = Placement(
+                        str(route.prefill or route.decode), route.decode, 0, 0.001, 0.01, 0.002, 4096, 0.002
+                    )
+                yield StreamOutput(
+                    (tok,), self.tokenizer.decode([tok]), last, "length" if last else None, len(prompt_ids), i + 1,
+                    logprobs, placement,
+                )  # fmt: skip
         finally:
             self.closed.append(request_id)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 from cluster.handoff import AttemptFailed
+from cluster.outputs import Placement
 from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route
 from cluster.view import ViewRefresher
@@ -29,11 +30,11 @@ class FakeAttempt:
     route: Route
     tokens: list[int]
     fail_after: int | None = None
-    meta: dict[str, object] = field(default_factory=dict)
+    placement: Placement | None = None
     closed: bool = False
 
     def run(self) -> Iterator[TokenOutput]:
-        self.meta = {"decode_worker": self.route.decode}
+        self.placement = Placement(str(self.route.prefill), self.route.decode)
         n = len(self.tokens) if self.fail_after is None else self.fail_after
         for i, t in enumerate(self.tokens[:n]):
             done = self.fail_after is None and i == len(self.tokens) - 1
@@ -67,11 +68,11 @@ class Script:
 def test_a_dead_decode_worker_mid_stream_is_replayed_without_a_gap() -> None:
     s = Script([2, None])
     outs = list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, s.reroute))  # type: ignore[arg-type]
-    assert [t for o in outs for t in o["token_ids"]] == [10, 11, 12, 13, 14, 15]
-    assert [o["num_output_tokens"] for o in outs] == [1, 2, 3, 4, 5, 6]
-    assert {o["num_prompt_tokens"] for o in outs} == {2}
-    assert outs[0]["decode_worker"] == "d1" and "decode_worker" not in outs[2]
-    assert outs[-1]["finished"] and outs[-1]["migrations"] == 1
+    assert [t for o in outs for t in o.token_ids] == [10, 11, 12, 13, 14, 15]
+    assert [o.num_output_tokens for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert {o.num_prompt_tokens for o in outs} == {2}
+    assert outs[0].placement == Placement("p1", "d1") and outs[2].placement is None
+    assert outs[-1].finished and outs[-1].migrations == 1 and outs[0].migrations == 0
     ((prompt, params, exclude),) = s.reroutes
     assert prompt == [1, 2, 10, 11] and exclude == {"d1"} and params.max_tokens == 4
     second = s.attempts[1]
@@ -86,7 +87,7 @@ def test_migrations_are_bounded() -> None:
     got = []
     with pytest.raises(WorkerDiedError, match="after 2 migration"):
         for o in run:
-            got += o["token_ids"]
+            got += o.token_ids
     assert got == [10, 11, 12] and all(a.closed for a in s.attempts)
 
 

@@ -14,6 +14,7 @@ from tokenizers import NormalizedString, PreTokenizedString, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 
+from engine.sampler import TokenLogprob
 from engine.tokenizer import Tokenizer
 from router.app import create_app
 from router.responses import NO_PROBABILITY, Shape
@@ -181,7 +182,7 @@ def test_unhandled_error_is_a_500_that_carries_the_request_id(
 def test_logprobs_of_no_probability_are_finite_json(backend: FakeBackend) -> None:
     shape = Shape("completion", "cmpl-1", "fake-model", backend.tokenizer)
     tok = backend.text_ids[0]
-    lp = shape.logprobs([(tok, float("-inf"), [(tok, float("nan"))])])
+    lp = shape.logprobs([TokenLogprob(tok, float("-inf"), ((tok, float("nan")),))])
     assert lp is not None and lp["token_logprobs"] == [NO_PROBABILITY]
     assert list(lp["top_logprobs"][0].values()) == [NO_PROBABILITY]
     json.dumps(lp, allow_nan=False)
