@@ -155,7 +155,7 @@ def collective_gbps(
             why = outcome()  # always read the worker's answer, so the pipe stays in step
         if why:
             raise RuntimeError(f"receiving end: {why}")
-        client = KVTransferClient(decode.endpoint, "collective", timeout_s=30, link=link)
+        client = KVTransferClient(decode.endpoint, "collective", timeout_s=30, link=link, secret=decode.secret)
         try:
             return transport_gbps(client, source, blocks, runs), ""
         finally:
@@ -225,7 +225,7 @@ def measure_transfers(
             if t == "collective":
                 got, skipped = collective_gbps(decode, source, blocks, runs)
             else:
-                client = KVTransferClient(decode.endpoint, t, timeout_s=30)
+                client = KVTransferClient(decode.endpoint, t, timeout_s=30, secret=decode.secret)
                 got = transport_gbps(client, source, blocks, runs)
                 client.close()
             res |= got
@@ -240,7 +240,7 @@ def measure_ttft(source: Engine, decode: DecodePeer, transport: str) -> dict[str
     caches are separate, so nothing hits."""
     streaming = Engine(source.model, source.tokenizer, source.config)
     streamer = LayerStreamer(streaming)
-    client = KVTransferClient(decode.endpoint, transport, timeout_s=30)
+    client = KVTransferClient(decode.endpoint, transport, timeout_s=30, secret=decode.secret)
     with_t: list[dict[str, float]] = []
     alone: list[float] = []
     try:

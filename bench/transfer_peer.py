@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing as mp
+import secrets
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -34,9 +35,9 @@ def first_decode_token(receiver: KVReceiver, rid: str, prompt: list[int], first:
     return outs[1]
 
 
-def _serve(engine: Engine) -> tuple[KVReceiver, KVTransferServer]:
+def _serve(engine: Engine, secret: str) -> tuple[KVReceiver, KVTransferServer]:
     receiver = KVReceiver(engine, threading.RLock(), lease_s=60)
-    return receiver, KVTransferServer(receiver).start()
+    return receiver, KVTransferServer(receiver, secret=secret).start()
 
 
 def link_collective(receiver: KVReceiver, port: int) -> str:
@@ -51,10 +52,10 @@ def link_collective(receiver: KVReceiver, port: int) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _worker(conn: Connection, path: str, config: EngineConfig, threads: int) -> None:
+def _worker(conn: Connection, path: str, config: EngineConfig, threads: int, secret: str) -> None:
     """The spawned decode process: load the model, serve, do what the parent sends until None."""
     torch.set_num_threads(threads)
-    receiver, server = _serve(Engine.from_path(path, config))
+    receiver, server = _serve(Engine.from_path(path, config), secret)
     conn.send(server.endpoint)
     while (job := conn.recv()) is not None:
         name, *a = job
@@ -64,19 +65,21 @@ def _worker(conn: Connection, path: str, config: EngineConfig, threads: int) -> 
 
 class DecodePeer:
     """A KVReceiver + KVTransferServer on a decode-role engine: in a spawned process (its own
-    GIL and its own copy of the model, as in production) or in this process on the same model."""
+    GIL and its own copy of the model, as in production) or in this process on the same model.
+    Clients Reserve on it with `secret`."""
 
     def __init__(self, model: LlamaModel | None, path: str, config: EngineConfig, threads: int) -> None:
+        self.secret = secrets.token_hex(16)
         self._proc: BaseProcess | None = None
         self._endpoint: str | None = None
         if model is None:
             ctx = mp.get_context("spawn")
             self._conn, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_worker, args=(child, path, config, threads), daemon=True)
+            self._proc = ctx.Process(target=_worker, args=(child, path, config, threads, self.secret), daemon=True)
             self._proc.start()
             child.close()
         else:
-            self._receiver, self._server = _serve(Engine(model, None, config))
+            self._receiver, self._server = _serve(Engine(model, None, config), self.secret)
             self._endpoint = self._server.endpoint
 
     def _recv(self) -> object:

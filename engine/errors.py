@@ -14,6 +14,9 @@ class InvalidRequestError(EngineError, ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str, str | None]]:
+        return type(self), (str(self), self.param)  # crosses Ray (pickle) with its param
+
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus at least one generated token) does not fit the context (HTTP 413)."""

@@ -15,6 +15,10 @@ class ChunkRejected(KVTransferError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.detail = message
+
+    def __reduce__(self) -> tuple[type[ChunkRejected], tuple[str, str]]:
+        return type(self), (self.code, self.detail)  # crosses Ray (pickle): two arguments, not one
 
 
 class TransferTimeout(KVTransferError):
@@ -23,3 +27,8 @@ class TransferTimeout(KVTransferError):
 
 class PeerUnavailable(KVTransferError):
     """The peer could not be reached or went away mid-transfer."""
+
+
+class TransferAborted(KVTransferError):
+    """This side stopped the transfer: `abort()` was called, the stream was cancelled, or its
+    own payload transport (shm, collective) failed."""

@@ -3,7 +3,12 @@
 A chunk is checked completely before a byte is written: reservation, token, deadline,
 layer range, destination blocks, dtype, shape, size and checksum. A bad chunk from the
 token holder fails the transfer (its blocks are freed at once); a chunk with a wrong or
-stale token is refused and the reservation is left alone.
+stale token is refused and the reservation is left alone. Each accepted chunk renews the
+lease by `lease_s`.
+
+A chunk carries at most `max_chunk_bytes` of payload: by default one layer of the largest
+reservation this engine can grant (`max_blocks` blocks), so the server can refuse a larger
+message before buffering it and a sender never needs more than one message per layer.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -21,6 +28,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
 from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
 from kv_transfer.reservations import Reservation, ReservationTable, State
+from kv_transfer.security import same_secret
 from kv_transfer.stats import TransferStats
 from kv_transfer.wire import DTYPES, checksum, layout_of
 from protos.gen import kv_transfer_pb2 as pb
@@ -33,12 +41,25 @@ class KVReceiver:
     loop holds `engine_lock` when it admits). Blocks of a dropped reservation are therefore
     handed back to the engine after the receiver's lock is released (`_free_dropped`)."""
 
-    def __init__(self, engine: Engine, engine_lock: threading.RLock, endpoint: str = "", lease_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        engine_lock: AbstractContextManager[Any],
+        endpoint: str = "",
+        lease_s: float = 10.0,
+        max_chunk_bytes: int | None = None,
+    ) -> None:
         self.engine = engine
         self.engine_lock = engine_lock
         self.endpoint = endpoint
         self.lease_s = lease_s
         self.layout = layout_of(engine.cache)
+        cache = engine.cache
+        self.max_blocks = min(-(-engine.max_model_len // cache.block_size), cache.num_blocks)
+        layer_block_bytes = cache.bytes_per_block // cache.num_layers  # one layer of one block, K and V
+        self.max_chunk_bytes = max_chunk_bytes or self.max_blocks * layer_block_bytes
+        if self.max_chunk_bytes < layer_block_bytes:
+            raise ValueError(f"max_chunk_bytes {self.max_chunk_bytes} is under one layer of one block")
         self.table = ReservationTable()
         self.readers: dict[str, PayloadReader] = {"grpc": InbandReader(), "shm": ShmReader()}
         self._cond = threading.Condition()
@@ -66,14 +87,16 @@ class KVReceiver:
             endpoint=self.endpoint,
             layout=self.layout,
             lease_ms=int(lease * 1000),
+            max_chunk_bytes=self.max_chunk_bytes,
         )
 
     def release(self, request_id: str, token: str | None, reason: str) -> bool:
-        """Drop a reservation and free its blocks. With a token, it must match."""
+        """Drop a reservation and free its blocks. With a token, it must match (None: the
+        in-process owner releases without one; over gRPC a token is always required)."""
         try:
             with self._cond:
                 r = self.table.get(request_id)
-                if r is None or (token is not None and token != r.token):
+                if r is None or (token is not None and not same_secret(token, r.token)):
                     return False
                 self._drop(r, reason)
                 return True
@@ -146,6 +169,7 @@ class KVReceiver:
             self.engine.cache.write_blocks(blocks, data, slice(header.layer_start, header.layer_end))
             if r.state is State.RESERVED:
                 r.state, r.started = State.RECEIVING, time.monotonic()
+            self.table.renew(r, self.lease_s)
             for layer in range(header.layer_start, header.layer_end):
                 r.received.setdefault(layer, set()).update(blocks)
             r.bytes += len(payload)
@@ -188,7 +212,7 @@ class KVReceiver:
         r = self.table.get(header.request_id)
         if r is None:
             raise ChunkRejected("unknown_request", f"no reservation for {header.request_id!r} (unknown or expired)")
-        if header.transfer_token != r.token:
+        if not same_secret(header.transfer_token, r.token):
             raise ChunkRejected("bad_token", "wrong or reused transfer token")
         if r.deadline <= self.table.clock():
             self._drop(r, "lease expired")
@@ -213,6 +237,8 @@ class KVReceiver:
         elem = torch.tensor([], dtype=DTYPES[h.dtype]).element_size()
         if h.payload_bytes != elem * torch.Size(shape).numel():
             raise ChunkRejected("bad_size", f"payload_bytes {h.payload_bytes} does not match shape {shape}")
+        if h.payload_bytes > self.max_chunk_bytes:
+            raise ChunkRejected("too_large", f"{h.payload_bytes} bytes in one chunk, at most {self.max_chunk_bytes}")
         return blocks, shape
 
     # ---- completion and admission ----------------------------------------------------------

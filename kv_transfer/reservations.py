@@ -4,7 +4,9 @@
         \\__________________\\________________________\\__ release / reject / expiry --> (gone, blocks freed)
 
 Every state but "gone" holds the blocks; the lease deadline applies in all of them, so a
-sender that dies, or a caller that never admits, cannot strand blocks.
+sender that dies, or a caller that never admits, cannot strand blocks. Each accepted chunk
+renews the lease (never shortening it), so a long prefill that keeps sending never expires,
+while one that stops for a whole lease does.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class ReservationTable:
         r = Reservation(request_id, secrets.token_hex(16), list(block_ids), num_tokens, self.clock() + lease_s)
         self._by_id[request_id] = r
         return r
+
+    def renew(self, r: Reservation, lease_s: float) -> None:
+        """Push the deadline to at least `lease_s` from now."""
+        r.deadline = max(r.deadline, self.clock() + lease_s)
 
     def get(self, request_id: str) -> Reservation | None:
         return self._by_id.get(request_id)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TransferStats:
     """bytes and chunks moved; seconds from the first chunk to the commit; network_wait_s:
-    on the sender, time blocked on a full stream or on the commit's answer; on the
+    on the sender, time waiting for the commit's answer (sends never wait); on the
     receiver, time spent waiting for the next message."""
 
     request_id: str

@@ -10,6 +10,10 @@ in the step. The network thread ships them while the next layers compute:
 A chunk sends the blocks it touched; a request's first chunk also sends the blocks a
 prefix-cache hit supplied. A block cut by a chunk boundary goes again, complete, with
 the next chunk.
+
+The callback runs on the engine thread under the engine lock, so it never waits on the
+network (`KVPush.send` only queues) and nothing it does escapes into the step: any failure
+fails that one request's push, whose `commit` raises the typed error.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 from engine.engine import Engine
 from engine.model import LayerCallback
 from engine.scheduler import SchedulerOutput
-from kv_transfer.errors import KVTransferError
 from kv_transfer.sender import KVPush
 
 
@@ -69,10 +72,14 @@ class LayerStreamer:
             for n, (push, logical, src) in enumerate(work):
                 if n in failed:
                     continue
+                if push.error is not None:  # failed already: skip the copy too
+                    failed.add(n)
+                    continue
                 try:
                     # [1, 2, blocks, block_size, kv_heads, head_dim]: a copy, so later writes can't race the send
                     push.send(i, i + 1, logical, kv[i].index_select(1, src).unsqueeze(0))
-                except KVTransferError:
-                    failed.add(n)  # this request's commit raises the typed error; the batch runs on
+                except Exception as e:  # send does not raise; this guards the step all the same
+                    failed.add(n)
+                    push.abort(f"streaming failed: {type(e).__name__}: {e}")
 
         return on_layer

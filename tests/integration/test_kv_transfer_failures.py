@@ -15,11 +15,12 @@ import torch
 
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
-from kv_transfer.errors import KVTransferError
+from kv_transfer.errors import KVTransferError, TransferTimeout
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVTransferClient
 from kv_transfer.server import KVTransferServer
 from kv_transfer.streaming import LayerStreamer
+from tests.integration.kv_peer import SECRET
 from tests.unit.tiny import TINY, make_engine, tiny_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,7 +61,7 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
 def test_sender_killed_mid_stream_frees_the_reservation(model: LlamaModel, procs: list) -> None:
     engine = make_engine(model, num_blocks=64, role="decode")
     receiver = KVReceiver(engine, threading.RLock(), lease_s=30)  # the lease is not what saves us
-    server = KVTransferServer(receiver).start()
+    server = KVTransferServer(receiver, secret=SECRET).start()
     try:
         sender = spawn("sender", server.endpoint)
         procs.append(sender)
@@ -87,10 +88,10 @@ def test_receiver_killed_mid_stream_gives_the_sender_a_typed_error(model: LlamaM
     endpoint = first_line(peer)
     prefill = make_engine(model, num_blocks=64, role="prefill", max_num_batched_tokens=8)
     streamer = LayerStreamer(prefill)
-    client = KVTransferClient(endpoint, timeout_s=3)
+    client = KVTransferClient(endpoint, timeout_s=3, secret=SECRET)
     prompt = list(range(1, 41))
     res = client.reserve("r", len(prompt))
-    push = client.push("r", res, deadline_s=3)
+    push = client.push("r", res, stall_s=3)
     streamer.track("r", push)
     prefill.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0))
     prefill.step()  # the first chunk goes out
@@ -108,3 +109,50 @@ def test_receiver_killed_mid_stream_gives_the_sender_a_typed_error(model: LlamaM
     prefill.check_integrity()
     assert prefill.kv.num_free_blocks == 64
     client.close()
+
+
+def test_a_stopped_receiver_never_makes_send_wait(model: LlamaModel, procs: list) -> None:
+    """SIGSTOP the decode peer mid-stream: its socket fills, then its push's queue stops draining.
+    Every send still returns at once; the transfer fails typed at its stall deadline; a transfer
+    to a healthy peer, from the same thread, completes meanwhile."""
+    peer = spawn("receiver")
+    procs.append(peer)
+    stuck_client = KVTransferClient(first_line(peer), timeout_s=3, secret=SECRET)
+    healthy = make_engine(model, num_blocks=64, role="decode")
+    receiver = KVReceiver(healthy, threading.RLock())
+    server = KVTransferServer(receiver, secret=SECRET).start()
+    good_client = KVTransferClient(server.endpoint, secret=SECRET)
+    try:
+        res = stuck_client.reserve("victim", 200)
+        push = stuck_client.push("victim", res, stall_s=1.0)
+        data = torch.randn(1, 2, 50, 4, 2, 16)  # one layer of 50 blocks: 50 KiB a send
+        push.send(0, 1, list(range(50)), data)
+        peer.send_signal(signal.SIGSTOP)
+        stopped, longest, good_done = time.monotonic(), 0.0, False
+        while push.error is None and time.monotonic() - stopped < 30:
+            t = time.perf_counter()
+            push.send(0, 1, list(range(50)), data)
+            longest = max(longest, time.perf_counter() - t)
+            if not good_done and time.monotonic() - stopped > 0.5:  # the peer is wedged by now
+                good = good_client.push("good", good_client.reserve("good", 8))
+                for layer in range(TINY.num_layers):
+                    good.send(layer, layer + 1, [0, 1], torch.randn(1, 2, 2, 4, 2, 16))
+                good.commit(8)
+                receiver.wait("good", 1.0)
+                good_done = push.error is None  # it finished while the other was still stuck
+            time.sleep(0.002)  # a prefill's pace, not a spin
+        failed_after = time.monotonic() - stopped
+        assert isinstance(push.error, TransferTimeout), push.error
+        assert longest < 0.05, f"a send took {longest * 1000:.0f} ms"
+        assert good_done, "the healthy transfer did not complete while the stopped one was pending"
+        with pytest.raises(TransferTimeout):
+            push.commit(200)
+        assert receiver.release("good", None, "test done")
+        assert healthy.kv.num_free_blocks == 64
+        receiver.check_integrity()
+        print(f"send: at most {longest * 1000:.1f} ms; the stopped transfer failed {failed_after:.2f} s after SIGSTOP")
+    finally:
+        peer.send_signal(signal.SIGCONT)
+        good_client.close()
+        stuck_client.close()
+        server.stop(0)

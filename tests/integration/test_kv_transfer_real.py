@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.server import KVTransferServer
 from kv_transfer.streaming import LayerStreamer
-from tests.unit.kv_harness import Pair
+from tests.unit.kv_harness import SECRET, Pair
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
@@ -24,7 +24,8 @@ def test_disaggregated_equals_one_engine(engine_fp32: Engine, transport: str) ->
     decode, prefill = sibling(role="decode"), sibling(role="prefill", max_num_batched_tokens=32)
     lock = threading.RLock()
     receiver = KVReceiver(decode, lock)
-    pair = Pair(prefill, decode, receiver, KVTransferServer(receiver).start(), LayerStreamer(prefill), lock)
+    server = KVTransferServer(receiver, secret=SECRET).start()
+    pair = Pair(prefill, decode, receiver, server, LayerStreamer(prefill), lock)
     client = pair.client(transport)
     tok = engine_fp32.tokenizer
     assert tok is not None

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 import torch
 
 from engine.engine import Engine
@@ -13,10 +18,12 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVTransferClient
-from kv_transfer.server import KVTransferServer
+from kv_transfer.server import SERVICE, KVTransferServer
 from kv_transfer.streaming import LayerStreamer
 from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.tiny import make_engine
+
+SECRET = "test-cluster-secret"
 
 
 @dataclass
@@ -28,8 +35,9 @@ class Pair:
     streamer: LayerStreamer
     lock: threading.RLock
 
-    def client(self, transport: str = "grpc", timeout_s: float = 5.0) -> KVTransferClient:
-        return KVTransferClient(self.server.endpoint, transport, timeout_s)
+    def client(self, transport: str = "grpc", timeout_s: float = 5.0, **kw: Any) -> KVTransferClient:
+        """A client that holds the cluster secret (so it may Reserve over gRPC)."""
+        return KVTransferClient(self.server.endpoint, transport, timeout_s, secret=SECRET, **kw)
 
     def transfer(
         self, client: KVTransferClient, rid: str, prompt: list[int], params: SamplingParams
@@ -55,10 +63,61 @@ class Pair:
         self.server.stop(0)
 
 
-def make_pair(model: LlamaModel, lease_s: float = 5.0, **prefill_kw: object) -> Pair:
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll `cond` until it holds (True) or `timeout` passes (False)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def make_pair(
+    model: LlamaModel,
+    lease_s: float = 5.0,
+    *,
+    max_chunk_bytes: int | None = None,
+    server_kw: Mapping[str, Any] | None = None,
+    **prefill_kw: object,
+) -> Pair:
+    """Tiny prefill and decode engines (256 blocks of 4 tokens each), a KV server on loopback
+    with the test cluster secret; `server_kw` go to KVTransferServer."""
     decode = make_engine(model, num_blocks=256, role="decode")
     prefill = make_engine(model, num_blocks=256, role="prefill", **prefill_kw)
     lock = threading.RLock()
-    receiver = KVReceiver(decode, lock, lease_s=lease_s)
-    server = KVTransferServer(receiver).start()
+    receiver = KVReceiver(decode, lock, lease_s=lease_s, max_chunk_bytes=max_chunk_bytes)
+    server = KVTransferServer(receiver, secret=SECRET, **(server_kw or {})).start()
     return Pair(prefill, decode, receiver, server, LayerStreamer(prefill), lock)
+
+
+class StalledPeer:
+    """A fake decode peer (the network boundary): a gRPC server of the KV service whose Push
+    handler takes one message and then stops reading until `close`, as a wedged receiver
+    does. `reservation` is what a Reserve would have answered, shaped like `layout_from`'s."""
+
+    def __init__(self, layout_from: KVReceiver) -> None:
+        self._resume = threading.Event()
+        self.pushes = 0
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        push = grpc.stream_unary_rpc_method_handler(self._push, None, pb.PushResult.SerializeToString)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": push}),))
+        self.endpoint = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+        self.layout = layout_from.layout
+
+    def reservation(self, num_blocks: int) -> pb.ReserveResponse:
+        return pb.ReserveResponse(
+            block_ids=list(range(num_blocks)), transfer_token="t" * 32, endpoint=self.endpoint, layout=self.layout
+        )
+
+    def _push(self, messages: Iterator[bytes], ctx: grpc.ServicerContext) -> pb.PushResult:
+        self.pushes += 1
+        next(messages, None)
+        self._resume.wait()
+        ctx.abort(grpc.StatusCode.UNAVAILABLE, "the stalled peer went away")
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._resume.set()
+        self._server.stop(0)

@@ -35,6 +35,7 @@ from tests.unit.tiny import TINY, make_engine, tiny_weights
 
 NUM_BLOCKS = 64
 TIMEOUT_S = 5.0
+SECRET = "test-cluster-secret"  # the tests Reserve over gRPC, which needs it
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 CHUNK = (1, 2, 2, 4, 2, 16)  # one layer of two blocks: [layers, 2, blocks, block_size, kv_heads, head_dim]
 SPAWN = mp.get_context("spawn")
@@ -56,7 +57,7 @@ def decode_main(conn: Connection, port: int, backend: str, cuda_device: int) -> 
     engine = make_engine(LlamaModel(TINY, tiny_weights(), torch.float32), num_blocks=NUM_BLOCKS, role="decode")
     lock = threading.RLock()
     receiver = KVReceiver(engine, lock, lease_s=10)
-    server = KVTransferServer(receiver).start()
+    server = KVTransferServer(receiver, secret=SECRET).start()
     conn.send(server.endpoint)
     link = CollectiveLink.connect(LinkConfig(port, backend=backend, timeout_s=TIMEOUT_S), RECEIVER)
     receiver.readers["collective"] = CollectiveReader(link)
@@ -103,7 +104,7 @@ class Decode:
             assert self.conn.poll(60), "decode process did not start"
             endpoint = self.conn.recv()
             self.link = CollectiveLink.connect(LinkConfig(port, backend=backend, timeout_s=TIMEOUT_S), SENDER)
-            self.client = KVTransferClient(endpoint, "collective", timeout_s=TIMEOUT_S, link=self.link)
+            self.client = KVTransferClient(endpoint, "collective", timeout_s=TIMEOUT_S, link=self.link, secret=SECRET)
         except BaseException:
             self.proc.kill()
             raise
@@ -237,7 +238,7 @@ def test_checksum_mismatch_is_rejected_and_writes_nothing(decode: Decode) -> Non
     h = chunk(res, "bad", data)
     inband = CollectiveWriter(decode.link).put(h, data)
     h.checksum ^= 1
-    push._put(frame(h, inband))
+    push.send_frame(frame(h, inband))
     with pytest.raises(ChunkRejected, match="checksum"):
         push.commit(8)
     assert decode.call("kv_checksum") == before
@@ -261,7 +262,7 @@ def test_a_payload_whose_chunk_is_refused_unread_does_not_desync_the_link(decode
     h = chunk(res, "refused", data)
     CollectiveWriter(decode.link).put(h, data)
     h.shape[3] = 8  # refused before the receiver reads the payload: it stays in the stream
-    push._put(frame(h))
+    push.send_frame(frame(h))
     with pytest.raises(ChunkRejected):
         push.commit(8)
     assert decode.link.num_inflight >= 1

@@ -13,9 +13,9 @@ import torch
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import ChunkRejected, KVTransferError
-from kv_transfer.wire import checksum, frame, tensor_bytes
+from kv_transfer.wire import checksum, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
-from tests.unit.kv_harness import Pair, make_pair
+from tests.unit.kv_harness import Pair, make_pair, wait_for
 from tests.unit.tiny import make_engine
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -151,14 +151,14 @@ def test_bad_chunks_are_rejected_and_write_nothing(pair: Pair, case: str) -> Non
 def test_bad_chunk_over_grpc_is_a_typed_error_for_the_sender(pair: Pair) -> None:
     client = pair.client()
     res = client.reserve("r", 10)
-    h, data = _valid_chunk(res, "r")
-    h.checksum ^= 1
     push = client.push("r", res)
-    push._put(frame(h, tensor_bytes(data)))
-    with pytest.raises(KVTransferError):
+    push.send(0, 1, [0, 1], torch.randn(1, 2, 2, 8, 2, 16))  # blocks of 8 tokens: the receiver's hold 4
+    with pytest.raises(ChunkRejected) as err:
         push.commit(10)
+    assert "bad_shape" in str(err.value)
     assert "r" not in pair.receiver.table
     assert pair.decode.kv.num_free_blocks == 256
+    pair.receiver.check_integrity()
     client.close()
 
 
@@ -207,11 +207,14 @@ def test_abort_from_the_sender_frees_the_reservation(pair: Pair) -> None:
     res = client.reserve("r", 8)
     push = client.push("r", res)
     push.send(0, 1, [0, 1], torch.randn(1, 2, 2, 4, 2, 16))
+    t = time.monotonic()
     push.abort("client went away")
-    deadline = time.monotonic() + 2
-    while "r" in pair.receiver.table and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pair.decode.kv.num_free_blocks == 256
+    assert time.monotonic() - t < 0.05, "abort waited on the network"
+    assert wait_for(lambda: pair.decode.kv.num_free_blocks == 256, 2)
+    assert "r" not in pair.receiver.table
+    pair.receiver.check_integrity()
+    with pytest.raises(KVTransferError, match="client went away"):
+        push.commit(8)
     client.close()
 
 
