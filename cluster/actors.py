@@ -1,8 +1,14 @@
-"""The Ray actors: the plain workers, plus registration and heartbeats in Redis.
+"""The Ray actors: the plain workers, plus a control lane, registration and heartbeats in Redis.
 
-Actors are threaded (max_concurrency) so blocking calls (a prefill, a token stream)
-run side by side; they ask for 0 CPUs and one slot of their role's custom resource,
-so placement follows the `prefill` / `decode` / `colocated` slots nodes advertise.
+Actors are threaded, with three lanes (Ray concurrency groups), so that no control call ever
+waits behind generation:
+
+    default  max 64   generate / prefill / reserve: one thread per stream, held for its length
+    health   max 4    ping, drain: touch no lock, answer within milliseconds however busy
+    control  max 16   idle, abort, release, stats, check_integrity: wait for one engine step at most
+
+They ask for 0 CPUs and one slot of their role's custom resource, so placement follows the
+`prefill` / `decode` / `colocated` slots nodes advertise.
 """
 
 from __future__ import annotations
@@ -10,18 +16,68 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import ray
 
-from cluster.state import ClusterState
+from cluster.state import ClusterState, StateUnavailable
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
-from prefill_workers.worker import PrefillWorker
+from engine.messages import TokenOutput
+from engine.worker_base import WorkerBase
+from kv_transfer.security import KVTLSConfig
+from prefill_workers.worker import PrefillResult, PrefillWorker
 
 HEARTBEAT_S = 0.5
 TTL_S = 3.0
+# The heartbeat thread's Redis client: it gives up on a call at once rather than sit out an
+# outage (the next beat tries again), so a dead Redis never holds anything for long.
+HEARTBEAT_REDIS_TIMEOUT_S = 0.5
+MAX_STREAMS = 64
+HEALTH, CONTROL = "health", "control"
+CONCURRENCY_GROUPS = {HEALTH: 4, CONTROL: 16}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _lane(group: str) -> Callable[[_F], _F]:
+    """`ray.method(concurrency_group=group)`, typed as what it is for a local call: the method itself."""
+
+    def tag(fn: _F) -> _F:
+        return cast(_F, ray.method(concurrency_group=group)(fn))
+
+    return tag
+
+
+class _ControlLane(WorkerBase):
+    """First among each actor's bases, so these overrides win: the same methods, on their own lanes.
+    The request-serving methods stay in the default group, wrapped in `serving()` for idle()."""
+
+    @_lane(HEALTH)
+    def ping(self) -> str:
+        return super().ping()
+
+    @_lane(HEALTH)
+    def drain(self) -> None:
+        super().drain()
+
+    @_lane(CONTROL)
+    def idle(self) -> bool:
+        return super().idle()
+
+    @_lane(CONTROL)
+    def abort(self, request_id: str) -> bool:
+        return super().abort(request_id)
+
+    @_lane(CONTROL)
+    def stats(self) -> dict[str, Any]:
+        return super().stats()
+
+    @_lane(CONTROL)
+    def check_integrity(self) -> None:
+        super().check_integrity()
 
 
 class _Registered:
@@ -33,10 +89,13 @@ class _Registered:
     _stop_hb: threading.Event
 
     def _register(self, state_url: str, namespace: str) -> None:
-        self.state = ClusterState(state_url, namespace)
+        self.state = ClusterState(state_url, namespace, socket_timeout_s=HEARTBEAT_REDIS_TIMEOUT_S, retries=0)
         self._stop_hb = threading.Event()
-        self.state.register_worker(self.worker_id, self._info(), TTL_S)
-        self.state.emit("worker_up", worker_id=self.worker_id, role=self.role)
+        try:
+            self.state.register_worker(self.worker_id, self._info(), TTL_S)
+            self.state.emit("worker_up", worker_id=self.worker_id, role=self.role)
+        except StateUnavailable:  # Redis is away: serve anyway, the first beat that reaches it registers
+            pass
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
     def _info(self) -> dict[str, Any]:
@@ -67,7 +126,7 @@ class _Registered:
         self.state.deregister_worker(self.worker_id)
 
 
-class PrefillActor(PrefillWorker, _Registered):
+class PrefillActor(_ControlLane, PrefillWorker, _Registered):
     def __init__(
         self,
         worker_id: str,
@@ -76,36 +135,74 @@ class PrefillActor(PrefillWorker, _Registered):
         state_url: str,
         namespace: str,
         transport: str = "grpc",
+        tls: KVTLSConfig | None = None,
     ) -> None:
-        super().__init__(worker_id, model_path, config, transport)
+        PrefillWorker.__init__(self, worker_id, model_path, config, transport, tls=tls)
         self._cached: set[int] = set()
+        self._unpublished: tuple[list[int], list[int]] = ([], [])
         self._register(state_url, namespace)
 
     def _publish_blocks(self) -> None:
         stored, evicted = self.pop_block_events()
+        # Kept until Redis has them: an outage must not lose index updates.
+        self._unpublished[0].extend(stored)
+        self._unpublished[1].extend(evicted)
+        stored, evicted = self._unpublished
         if stored:
             self.state.add_blocks(self.worker_id, stored)
             self._cached.update(stored)
+            stored.clear()
         if evicted:
             self.state.remove_blocks(self.worker_id, evicted)
             self._cached.difference_update(evicted)
+            evicted.clear()
 
     def _republish_blocks(self) -> None:
         if self._cached:
             self.state.add_blocks(self.worker_id, sorted(self._cached))
 
+    def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        with self.serving():
+            return super().prefill(*args, **kwargs)
 
-class DecodeActor(DecodeWorker, _Registered):
-    def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
+
+class DecodeActor(_ControlLane, DecodeWorker, _Registered):
+    def __init__(
+        self,
+        worker_id: str,
+        model_path: str,
+        config: EngineConfig,
+        state_url: str,
+        namespace: str,
+        tls: KVTLSConfig | None = None,
+    ) -> None:
         # The KV endpoint other nodes dial; loopback unless the deployment names this node's address.
-        super().__init__(worker_id, model_path, config, host=os.environ.get("TANDEM_BIND_HOST", "127.0.0.1"))
+        host = os.environ.get("TANDEM_BIND_HOST", "127.0.0.1")
+        DecodeWorker.__init__(self, worker_id, model_path, config, host=host, tls=tls)
         self._register(state_url, namespace)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
+        with self.serving():
+            yield from super().generate(*args, **kwargs)
 
-class ColocatedActor(ColocatedWorker, _Registered):
+    @_lane(CONTROL)
+    def release(self, request_id: str) -> bool:
+        return super().release(request_id)
+
+    @_lane(CONTROL)
+    def idle(self) -> bool:
+        # A reservation is a request between reserve() and generate(): a drain waits for it too.
+        return bool(self.loop.call(lambda e: len(self.receiver.table) == 0)) and super().idle()
+
+
+class ColocatedActor(_ControlLane, ColocatedWorker, _Registered):
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
         super().__init__(worker_id, model_path, config)
         self._register(state_url, namespace)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
+        with self.serving():
+            yield from super().generate(*args, **kwargs)
 
 
 ACTOR_CLASSES: dict[str, type] = {"prefill": PrefillActor, "decode": DecodeActor, "colocated": ColocatedActor}
@@ -123,11 +220,14 @@ def start_worker(
     state_url: str,
     namespace: str,
     transport: str = "grpc",
+    tls: KVTLSConfig | None = None,
 ) -> Any:
     """Start one worker actor in its role's slot; returns its handle (it loads asynchronously).
 
-    `transport` is how a prefill worker ships KV (grpc, shm); other roles ignore it."""
-    cls: Any = ray.remote(ACTOR_CLASSES[role])
+    `transport` is how a prefill worker ships KV (grpc, shm); `tls` secures the KV channel of
+    prefill and decode workers; a colocated worker needs neither."""
+    # Ray takes concurrency groups only at ray.remote(), never in .options(); its stubs omit the option.
+    cls: Any = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ACTOR_CLASSES[role])  # type: ignore[call-overload]
     env = {"OMP_NUM_THREADS": str(config.num_threads or os.cpu_count() or 1)}
     if "TANDEM_BIND_HOST" in os.environ:
         env["TANDEM_BIND_HOST"] = os.environ["TANDEM_BIND_HOST"]
@@ -136,7 +236,15 @@ def start_worker(
         namespace=f"tandem-{namespace}",
         resources={role: 1},
         num_cpus=0,
-        max_concurrency=64,
+        max_concurrency=MAX_STREAMS,
         max_restarts=0,
         runtime_env={"env_vars": env},
-    ).remote(worker_id, model_path, config, state_url, namespace, *([transport] if role == "prefill" else []))
+    ).remote(
+        worker_id,
+        model_path,
+        config,
+        state_url,
+        namespace,
+        *([transport] if role == "prefill" else []),
+        **({"tls": tls} if role != "colocated" else {}),
+    )

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
+from kv_transfer.security import KVTLSConfig
 
 MANAGER = "tandem-pool-manager"
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class ClusterConfig:
     colocated: int = 0
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=512))
     transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts) or shm (same host)
+    kv_tls: KVTLSConfig | None = None  # TLS on the KV channel between prefill and decode workers
     waits: Waits = field(default_factory=Waits)
     max_migrations: int = 2  # mid-stream replays of one request on another pair
 
@@ -105,7 +107,7 @@ class Cluster:
         configs = {role: _role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
         ray.remote(PoolManager).options(  # type: ignore[attr-defined]
             name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8
-        ).remote(url, config.namespace, config.model_path, configs, config.transport)
+        ).remote(url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls)
         c = cls(config, url, redis, own_ray)
         for role in ("prefill", "decode", "colocated"):
             c.scale(role, getattr(config, role))
@@ -127,6 +129,7 @@ class Cluster:
         snapshot: list[dict[str, Any]] = ray.get(self.manager.snapshot.remote(), timeout=10)
         for w in snapshot:
             out.append({**live.get(w["worker_id"], {}), **w})
+        self.view.refresh()  # what an operator was just shown, routing uses from now on
         return out
 
     def status(self) -> dict[str, Any]:
@@ -172,7 +175,19 @@ class Cluster:
         policy: RoutingPolicy | None = None,
     ) -> Route:
         """Where a request would run now (see cluster.routing.plan_route). Raises NoWorkerError."""
-        view = self.view.current()
+        try:
+            return self._route(self.view.current(), prompt_ids, params, exclude, policy)
+        except NoWorkerError:  # a worker that just came up may be missing from a view 0.25 s old
+            return self._route(self.view.refresh(), prompt_ids, params, exclude, policy)
+
+    def _route(
+        self,
+        view: ClusterView,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        exclude: frozenset[str],
+        policy: RoutingPolicy | None,
+    ) -> Route:
         live = view.live()
         bs = self.config.engine.block_size
         prefill_ids = [w for w, info in live.items() if info.get("role") == "prefill" and w not in exclude]

@@ -1,39 +1,94 @@
 """PoolManager: a named, detached Ray actor that makes the live workers match the desired sizes.
 
-Every half second it reads the desired sizes from Redis and:
-  - replaces workers that stopped answering (dead actor, crashed process);
-  - starts workers where a pool is short;
-  - drains workers where a pool is long (no new work; killed once idle);
-  - remembers the desired sizes, and writes them back if Redis lost them (a restart).
-A role change is a drain of one pool and a start in the other.
+Every half second, one round on its own thread:
+
+    desired  <- Redis (short timeout; on an outage, the last sizes it read)   no lock
+    records  <- a copy of the worker table                                     lock, briefly
+    probes   -> ping (health lane) every worker, idle() every drained one,
+                wait up to probe_s for the answers                             no lock
+    plan     =  pool_plan.decide(...)                                          pure
+    table    <- promotions, removals, drains; publish a new WorkerTable        lock, briefly
+    actions  -> kill removed actors, drain(), start actors, Redis events       no lock
+
+No lock is held over a Ray or Redis call, and `handles()` / `snapshot()` read the published
+WorkerTable, an immutable value swapped in one assignment, without any lock: the request
+path never waits on a round. Redis losing the desired sizes (a restart without persistence)
+gets them written back; Redis being away changes nothing (no kill, no size change).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from cluster.actors import start_worker
-from cluster.state import ClusterState
+from cluster.pool_plan import Limits, RoundPlan, State, WorkerHealth, decide
+from cluster.state import ClusterState, StateUnavailable
 from engine.config import EngineConfig
+from kv_transfer.security import KVTLSConfig
 
-ROLES = ("prefill", "decode", "colocated")
+log = logging.getLogger(__name__)
+# A round gives up on Redis after this and goes on from what it knew.
+REDIS_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    worker_id: str
+    role: str
+    state: State
+    handle: Any
+
+
+@dataclass(frozen=True)
+class WorkerTable:
+    """The workers as of the last change; replaced whole, never mutated."""
+
+    entries: tuple[WorkerEntry, ...] = ()
+
+    def handles(self) -> dict[str, Any]:
+        return {e.worker_id: e.handle for e in self.entries if e.state == "up"}
+
+
+@dataclass(frozen=True)
+class ManagerStatus:
+    rounds: int  # reconcile rounds completed
+    state_ok: bool  # the last round reached Redis
+    desired: dict[str, int] | None  # the sizes it works to (None: never read); a copy
 
 
 @dataclass
 class _Worker:
+    """A worker's record. `state` and `drain_ref` change under the lock; the probe fields
+    (`ping_ref`, `idle_ref`, `last_seen`, `drained`) belong to the round thread alone."""
+
     worker_id: str
     role: str
     handle: Any
-    state: str = "starting"  # starting | up | draining
+    state: State = "starting"
     started: float = field(default_factory=time.monotonic)
-    failures: int = 0
+    drain_ref: Any = None
+    ping_ref: Any = None
+    idle_ref: Any = None
+    last_seen: float | None = None
+    drained: bool = False  # the worker acknowledged drain(): an idle() answer now means it
+
+    def entry(self) -> WorkerEntry:
+        return WorkerEntry(self.worker_id, self.role, self.state, self.handle)
+
+
+@dataclass
+class _Seen:
+    dead: bool = False
+    idle: bool = False
 
 
 class PoolManager:
@@ -45,129 +100,224 @@ class PoolManager:
         configs: dict[str, EngineConfig],
         transport: str = "grpc",
         interval_s: float = 0.5,
-        start_timeout_s: float = 180.0,
+        limits: Limits | None = None,
+        probe_s: float = 1.0,
+        kv_tls: KVTLSConfig | None = None,
     ) -> None:
-        self.state = ClusterState(state_url, namespace)
+        self.state = ClusterState(state_url, namespace, socket_timeout_s=REDIS_TIMEOUT_S, retries=0)
         self.state_url = state_url
         self.namespace = namespace
         self.model_path = model_path
         self.transport = transport
+        self.kv_tls = kv_tls
         self.configs = configs
         self.interval_s = interval_s
-        self.start_timeout_s = start_timeout_s
-        self.workers: dict[str, _Worker] = {}
-        self._desired: dict[str, int] = {}
+        self.limits = limits or Limits()
+        self.probe_s = probe_s
+        self._workers: dict[str, _Worker] = {}
+        self._desired: dict[str, int] | None = None
         self._ids = itertools.count()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # guards _workers, record states, _epoch; never held over a call
+        self._round_lock = threading.Lock()  # one round at a time; the request path never takes it
+        self._epoch = 0  # bumped by drain(): a round planned before it must not also resize
+        self._table = WorkerTable()
+        self._status = ManagerStatus(0, True, None)
         self._stop = threading.Event()
-        threading.Thread(target=self._run, name="reconcile", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
+        self._thread.start()
 
     def ping(self) -> bool:
         return True
+
+    # ---- the request path: lock-free reads ---------------------------------------------------
+
+    def handles(self) -> dict[str, Any]:
+        """Actor handles of the workers that are up."""
+        return self._table.handles()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Each worker: id, role and state (starting / up / draining)."""
+        return [{"worker_id": e.worker_id, "role": e.role, "state": e.state} for e in self._table.entries]
+
+    def status(self) -> ManagerStatus:
+        return self._status
+
+    # ---- operations --------------------------------------------------------------------------
+
+    def drain(self, worker_id: str) -> bool:
+        """Drain one worker now (False if unknown). The pool starts a replacement if it falls
+        below its size; the worker is killed once it answers idle()."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None:
+                return False
+            if w.state == "draining":
+                return True
+            w.state = "draining"
+            self._epoch += 1
+            self._publish()
+        self._send_drain(w)
+        return True
+
+    def shutdown(self) -> None:
+        """Stop reconciling and kill every worker."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            workers = list(self._workers.values())
+            self._workers.clear()
+            self._publish()
+        for w in workers:
+            self._kill(w, "shutdown")
+
+    # ---- one round ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.reconcile()
-            except Exception:  # Redis briefly away, a slow actor: try again next round
-                continue
+            except Exception:  # a bug or an unexpected Ray error: log it, the next round starts afresh
+                log.exception("reconcile round failed")
 
     def reconcile(self) -> None:
-        with self._lock:
+        """One round (see the module docstring). Rounds never overlap."""
+        with self._round_lock:
+            desired, state_ok = self._read_desired()
+            with self._lock:
+                workers = list(self._workers.values())
+                epoch = self._epoch
+            seen = self._probe(workers)
+            now = time.monotonic()
+            health = [self._health(w, seen.get(w.worker_id, _Seen()), now) for w in workers]
+            plan = decide(health, desired, self.limits)
+            removed, drains, resize = self._apply(plan, epoch)
+            for w, reason in removed:
+                self._kill(w, reason)
+            for w in drains:
+                self._send_drain(w)
+            if resize and not self._stop.is_set():
+                for role in plan.start:
+                    self._start(role)
+            s = self._status
+            self._status = ManagerStatus(s.rounds + 1, state_ok, None if desired is None else dict(desired))
+
+    def _read_desired(self) -> tuple[dict[str, int] | None, bool]:
+        """The desired sizes and whether Redis answered. An outage keeps the last ones read;
+        an empty answer after sizes were known means Redis lost them: they are written back."""
+        try:
             desired = self.state.desired()
             if not desired and self._desired:
-                for role, n in self._desired.items():  # Redis restarted without persistence
+                for role, n in self._desired.items():
                     self.state.set_desired(role, n)
-                desired = dict(self._desired)
-            self._desired = desired
-            self._check_health()
-            for role in ROLES:
-                want = desired.get(role, 0)
-                active = [w for w in self.workers.values() if w.role == role and w.state != "draining"]
-                for _ in range(want - len(active)):
-                    self._start(role)
-                if len(active) > want:
-                    victims = sorted(active, key=lambda w: (w.state == "up", -w.started))[: len(active) - want]
-                    for w in victims:
-                        self._drain(w)
-            self._reap_drained()
+                self._emit("desired_restored", **{role: str(n) for role, n in self._desired.items()})
+                return self._desired, True
+        except StateUnavailable:
+            return self._desired, False
+        self._desired = desired
+        return desired, True
+
+    def _probe(self, workers: list[_Worker]) -> dict[str, _Seen]:
+        """Ask every worker for a ping (and drained ones for idle()), wait up to probe_s.
+
+        A call still pending stays pending into the next round rather than being sent again,
+        so silence is measured from the last answer, however slow one round was."""
+        with self._lock:
+            acks = {w.worker_id: w.drain_ref for w in workers if w.drain_ref is not None and not w.drained}
+        for w in workers:
+            if w.ping_ref is None:
+                w.ping_ref = w.handle.ping.remote()
+            if w.drained and w.idle_ref is None:
+                w.idle_ref = w.handle.idle.remote()
+        pending = [r for w in workers for r in (w.ping_ref, w.idle_ref) if r is not None] + list(acks.values())
+        ready = set(ray.wait(pending, num_returns=len(pending), timeout=self.probe_s)[0]) if pending else set()
+        seen: dict[str, _Seen] = {}
+        now = time.monotonic()
+        for w in workers:
+            s = seen[w.worker_id] = _Seen()
+            if w.ping_ref in ready:
+                ok, _ = self._answer(w.ping_ref, s)
+                w.ping_ref = None
+                if ok:
+                    w.last_seen = now
+            if w.idle_ref in ready:
+                ok, idle = self._answer(w.idle_ref, s)
+                w.idle_ref = None
+                s.idle = ok and bool(idle)
+            if acks.get(w.worker_id) in ready:
+                w.drained, _ = self._answer(acks[w.worker_id], s)
+        return seen
+
+    @staticmethod
+    def _answer(ref: Any, seen: _Seen) -> tuple[bool, Any]:
+        """(True, value) for an answer; an actor error marks the worker dead, except one that
+        says it is only unreachable for now (that counts as silence)."""
+        try:
+            return True, ray.get(ref, timeout=0)
+        except ActorUnavailableError:
+            return False, None
+        except Exception:
+            seen.dead = True
+            return False, None
+
+    def _health(self, w: _Worker, seen: _Seen, now: float) -> WorkerHealth:
+        silent = None if w.last_seen is None else now - w.last_seen
+        return WorkerHealth(w.worker_id, w.role, w.state, now - w.started, silent, seen.dead, seen.idle)
+
+    def _apply(self, plan: RoundPlan, epoch: int) -> tuple[list[tuple[_Worker, str]], list[_Worker], bool]:
+        """Apply the plan to the table under the lock and publish it; returns the records to
+        kill (with why), those to drain, and whether the pool sizes may change this round."""
+        with self._lock:
+            for wid in plan.promote:
+                w = self._workers.get(wid)
+                if w is not None and w.state == "starting":
+                    w.state = "up"
+            removed = [(w, r.reason) for r in plan.remove if (w := self._workers.pop(r.worker_id, None)) is not None]
+            resize = epoch == self._epoch  # a drain() since the plan was made: resize next round
+            drains: list[_Worker] = []
+            for wid in plan.drain if resize else ():
+                w = self._workers.get(wid)
+                if w is not None and w.state != "draining":
+                    w.state = "draining"
+                    drains.append(w)
+            self._publish()
+        return removed, drains, resize
+
+    def _publish(self) -> None:
+        """Under the lock: swap in a fresh table for the lock-free readers."""
+        self._table = WorkerTable(tuple(w.entry() for w in self._workers.values()))
+
+    # ---- actions: no lock held ---------------------------------------------------------------
 
     def _start(self, role: str) -> None:
         worker_id = f"{role[0]}{next(self._ids)}-{int(time.time() * 1000) % 100000}"
         handle = start_worker(
-            role, worker_id, self.model_path, self.configs[role], self.state_url, self.namespace, self.transport
+            role,
+            worker_id,
+            self.model_path,
+            self.configs[role],
+            self.state_url,
+            self.namespace,
+            self.transport,
+            self.kv_tls,
         )
-        self.workers[worker_id] = _Worker(worker_id, role, handle)
+        with self._lock:
+            self._workers[worker_id] = _Worker(worker_id, role, handle)
+            self._publish()
 
-    def _drain(self, w: _Worker) -> None:
-        w.state = "draining"
-        w.handle.drain.remote()
-        self.state.emit("worker_draining", worker_id=w.worker_id, role=w.role)
+    def _send_drain(self, w: _Worker) -> None:
+        ref = w.handle.drain.remote()
+        with self._lock:
+            w.drain_ref = ref
+        self._emit("worker_draining", worker_id=w.worker_id, role=w.role)
 
-    def _check_health(self) -> None:
-        refs = {w.worker_id: w.handle.ping.remote() for w in self.workers.values()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
-        ready_set = set(ready)
-        for wid, ref in refs.items():
-            w = self.workers[wid]
-            ok = False
-            if ref in ready_set:
-                try:
-                    ray.get(ref)
-                    ok = True
-                except Exception:
-                    ok = False
-            if ok:
-                w.failures = 0
-                if w.state == "starting":
-                    w.state = "up"
-                continue
-            dead = ref in ready_set  # answered with an error: the actor is gone
-            if w.state == "starting" and not dead:  # still loading its model
-                if time.monotonic() - w.started > self.start_timeout_s:
-                    self._remove(w, "did not start")
-                continue
-            w.failures += 1
-            if dead or w.failures >= 6:
-                self._remove(w, "died" if dead else "unresponsive")
-
-    def _reap_drained(self) -> None:
-        for w in [w for w in self.workers.values() if w.state == "draining"]:
-            try:
-                idle = ray.get(w.handle.idle.remote(), timeout=2.0)
-            except Exception:
-                idle = True
-            if idle:
-                self._remove(w, "drained")
-
-    def _remove(self, w: _Worker, why: str) -> None:
-        self.workers.pop(w.worker_id, None)
+    def _kill(self, w: _Worker, why: str) -> None:
         with contextlib.suppress(Exception):
             ray.kill(w.handle)
-        self.state.deregister_worker(w.worker_id)
-        self.state.emit("worker_down", worker_id=w.worker_id, role=w.role, reason=why)
+        with contextlib.suppress(StateUnavailable):  # its entry expires with its heartbeats anyway
+            self.state.deregister_worker(w.worker_id)
+        self._emit("worker_down", worker_id=w.worker_id, role=w.role, reason=why)
 
-    def drain(self, worker_id: str) -> bool:
-        """Drain one worker now. The pool starts a replacement if it falls below its size."""
-        with self._lock:
-            w = self.workers.get(worker_id)
-            if w is None:
-                return False
-            self._drain(w)
-            return True
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Each worker: id, role, state (starting / up / draining) and actor name."""
-        with self._lock:
-            return [{"worker_id": w.worker_id, "role": w.role, "state": w.state} for w in self.workers.values()]
-
-    def handles(self) -> dict[str, Any]:
-        with self._lock:
-            return {w.worker_id: w.handle for w in self.workers.values() if w.state == "up"}
-
-    def shutdown(self) -> None:
-        """Stop reconciling and kill every worker."""
-        self._stop.set()
-        with self._lock:
-            for w in list(self.workers.values()):
-                self._remove(w, "shutdown")
+    def _emit(self, kind: str, **fields: str) -> None:
+        """Best effort: the event log is for people, and Redis may be away."""
+        with contextlib.suppress(StateUnavailable):
+            self.state.emit(kind, **fields)

@@ -12,15 +12,19 @@ Every key lives under `tandem:{namespace}:`, so several clusters can share one R
 Redis is run without persistence by default, so after a Redis restart the state is
 empty: a worker whose `heartbeat()` returns False must `register_worker()` again and
 re-publish its blocks. The client reconnects by itself with exponential backoff.
+
+Every method but `ping()` raises StateUnavailable when Redis cannot be reached or does not
+answer in time, so a caller handles one exception (the router answers 503 with it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -61,6 +65,29 @@ class StateUnavailable(EngineError):
     known state; what needs the store (admin calls, scaling) fails with this until it is back."""
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _unavailable_as_state_error(
+    method: Callable[Concatenate[ClusterState, _P], _R],
+) -> Callable[Concatenate[ClusterState, _P], _R]:
+    """Raise Redis connection and timeout errors (after the client's retries) as StateUnavailable.
+
+    A refused password is a configuration error, not an outage: it propagates as it is."""
+
+    @functools.wraps(method)
+    def call(self: ClusterState, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except redis.AuthenticationError:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise StateUnavailable(f"cluster state store at {self.address} unavailable: {e}") from e
+
+    return call
+
+
 def _ttl_ms(ttl_s: float) -> int:
     if not ttl_s > 0:
         raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -80,7 +107,13 @@ class ClusterState:
 
     Raises ValueError for a namespace that is empty or has characters outside
     `[A-Za-z0-9_.-]` (a ':' or a glob character would let one namespace see another's keys).
-    Redis errors that outlast the retries (`redis.RedisError`) propagate, except from `ping()`.
+    Connection and timeout errors that outlast the retries raise StateUnavailable (other
+    `redis.RedisError`s propagate as they are), except from `ping()`.
+
+    The defaults ride out a Redis restart (each call may take ~4 s while Redis is away). A
+    caller that must not wait, the request path or a heartbeat, passes a short
+    `socket_timeout_s` (e.g. 0.25) and `retries=0`: then a call fails within about
+    `socket_timeout_s` instead.
     """
 
     def __init__(
@@ -108,6 +141,8 @@ class ClusterState:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         )
+        kwargs = self._r.connection_pool.connection_kwargs
+        self.address = f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
         self._heartbeat = self._r.register_script(_HEARTBEAT_LUA)
         self._prune = self._r.register_script(_PRUNE_LUA)
 
@@ -116,6 +151,7 @@ class ClusterState:
 
     # ---- worker registry -------------------------------------------------
 
+    @_unavailable_as_state_error
     def register_worker(self, worker_id: str, info: dict[str, Any], ttl_s: float | None = None) -> None:
         """(Re)create the worker's entry with exactly `info` (JSON-serialisable values) plus `last_seen`.
 
@@ -132,6 +168,7 @@ class ClusterState:
         pipe.sadd(self.key("workers"), worker_id)
         pipe.execute()
 
+    @_unavailable_as_state_error
     def heartbeat(self, worker_id: str, info: dict[str, Any] | None = None, ttl_s: float | None = None) -> bool:
         """Extend the worker's TTL and merge `info` into its entry, atomically.
 
@@ -145,6 +182,7 @@ class ClusterState:
             argv += [field, value]
         return bool(self._heartbeat(keys=[self.key("worker", worker_id)], args=argv))
 
+    @_unavailable_as_state_error
     def workers(self, role: str | None = None) -> dict[str, dict[str, Any]]:
         """Live workers (TTL not expired), optionally only those whose info has `role`.
 
@@ -173,6 +211,7 @@ class ClusterState:
             self._prune(keys=keys, args=dead)
         return live
 
+    @_unavailable_as_state_error
     def deregister_worker(self, worker_id: str) -> None:
         """Remove the worker's entry and its prefix-block index. Idempotent."""
         pipe = self._r.pipeline(transaction=True)
@@ -183,6 +222,7 @@ class ClusterState:
 
     # ---- desired pool sizes ----------------------------------------------
 
+    @_unavailable_as_state_error
     def set_desired(self, role: str, replicas: int) -> None:
         """Set the desired replica count of a pool. Raises ValueError for an unknown role or replicas < 0."""
         if role not in ROLES:
@@ -191,6 +231,7 @@ class ClusterState:
             raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
         self._r.hset(self.key("desired"), role, replicas)
 
+    @_unavailable_as_state_error
     def desired(self) -> dict[str, int]:
         """Desired replicas per role; roles never set are absent."""
         raw = cast(dict[str, str], self._r.hgetall(self.key("desired")))
@@ -198,6 +239,7 @@ class ClusterState:
 
     # ---- prefix-block index ----------------------------------------------
 
+    @_unavailable_as_state_error
     def add_blocks(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Record that `worker_id` holds the KV blocks with these hashes."""
         if not hashes:
@@ -207,11 +249,13 @@ class ClusterState:
         pipe.sadd(self.key("block_workers"), worker_id)
         pipe.execute()
 
+    @_unavailable_as_state_error
     def remove_blocks(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Forget these hashes for `worker_id` (evicted blocks). Unknown hashes are ignored."""
         if hashes:
             self._r.srem(self.key("blocks", worker_id), *(str(h) for h in hashes))
 
+    @_unavailable_as_state_error
     def drop_worker_blocks(self, worker_id: str) -> None:
         """Forget every block of `worker_id` (it restarted or cleared its cache)."""
         pipe = self._r.pipeline(transaction=True)
@@ -219,6 +263,7 @@ class ClusterState:
         pipe.srem(self.key("block_workers"), worker_id)
         pipe.execute()
 
+    @_unavailable_as_state_error
     def longest_prefix(self, hashes: Sequence[int], workers: Sequence[str] | None = None) -> dict[str, int]:
         """For each worker, how many leading hashes of the chain `hashes` it holds (stops at the first miss).
 
@@ -251,7 +296,8 @@ class ClusterState:
 
     # ---- events ----------------------------------------------------------
 
-    def emit(self, kind: str, **fields: Any) -> str:
+    @_unavailable_as_state_error
+    def emit(self, /, kind: str, **fields: Any) -> str:
         """Append an event (`kind`, `ts`, and `fields`; non-str values JSON-encoded); returns its stream id.
 
         The stream keeps about the last 10,000 events. A retry after a lost reply can
@@ -261,6 +307,7 @@ class ClusterState:
         event_id = self._r.xadd(self.key("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
         return cast(str, event_id)
 
+    @_unavailable_as_state_error
     def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
         """Up to `count` events strictly after stream id `since`, oldest first."""
         # "(" makes the range exclusive (Redis >= 6.2, which SMISMEMBER needs anyway).
@@ -276,6 +323,7 @@ class ClusterState:
         except redis.RedisError:
             return False
 
+    @_unavailable_as_state_error
     def flush_namespace(self) -> int:
         """Delete every key of this namespace (and no other); returns how many were deleted."""
         deleted = 0

@@ -15,6 +15,7 @@ from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.receiver import KVReceiver
+from kv_transfer.security import KVTLSConfig
 from kv_transfer.server import KVTransferServer
 
 
@@ -22,11 +23,18 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(
-        self, worker_id: str, model_path: str, config: EngineConfig, host: str = "127.0.0.1", lease_s: float = 10.0
+        self,
+        worker_id: str,
+        model_path: str,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        lease_s: float = 10.0,
+        tls: KVTLSConfig | None = None,
     ) -> None:
+        """`tls`: serve the KV endpoint over TLS (mutual with a CA file); None: plaintext."""
         super().__init__(worker_id, model_path, config)
         self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s)
-        self.server = KVTransferServer(self.receiver, host=host).start()
+        self.server = KVTransferServer(self.receiver, host=host, tls=tls).start()
         self.endpoint = self.server.endpoint
 
     def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> bytes:

@@ -6,13 +6,20 @@ No Ray and no network here; the Ray actors in cluster/ wrap these classes.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.loop import EngineLoop
+
+# A call's last output is on its way to the caller when the call returns: idle() waits this long
+# after the last one so that a drain never ends (and kills) a worker under an output in flight.
+IDLE_SETTLE_S = 0.5
 
 
 class WorkerDraining(EngineError):
@@ -29,6 +36,9 @@ class WorkerBase:
         self.engine = Engine.from_path(model_path, config)
         self.loop = EngineLoop(self.engine).start()
         self.draining = False
+        self._calls = 0
+        self._calls_lock = threading.Lock()
+        self._last_call_end = float("-inf")
         self.load_s = time.monotonic() - t
 
     def ping(self) -> str:
@@ -42,7 +52,24 @@ class WorkerBase:
         if self.draining:
             raise WorkerDraining(f"worker {self.worker_id} is draining")
 
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count a request-serving call (a generate, a prefill) from its start until it returns,
+        so that `idle()` is False while one runs, even after the engine is done with it."""
+        with self._calls_lock:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._calls_lock:
+                self._calls -= 1
+                self._last_call_end = time.monotonic()
+
     def idle(self) -> bool:
+        """True when nothing is in flight: no serving call for IDLE_SETTLE_S, no stream, no engine work."""
+        with self._calls_lock:
+            if self._calls or time.monotonic() - self._last_call_end < IDLE_SETTLE_S:
+                return False
         return bool(self.loop.call(lambda e: not e.has_unfinished())) and self.loop.num_streams == 0
 
     def abort(self, request_id: str) -> bool:

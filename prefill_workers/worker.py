@@ -18,6 +18,8 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.errors import KVTransferError
+from kv_transfer.push import KVPush
+from kv_transfer.security import KVTLSConfig
 from kv_transfer.sender import KVTransferClient
 from kv_transfer.stats import TransferStats
 from kv_transfer.streaming import LayerStreamer
@@ -46,11 +48,19 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(
-        self, worker_id: str, model_path: str, config: EngineConfig, transport: str = "grpc", timeout_s: float = 10.0
+        self,
+        worker_id: str,
+        model_path: str,
+        config: EngineConfig,
+        transport: str = "grpc",
+        timeout_s: float = 10.0,
+        tls: KVTLSConfig | None = None,
     ) -> None:
+        """`tls`: dial decode workers' KV endpoints over TLS; None: plaintext."""
         super().__init__(worker_id, model_path, config)
         self.transport = transport
         self.timeout_s = timeout_s
+        self.tls = tls
         self.streamer = LayerStreamer(self.engine)
         self._clients: dict[str, KVTransferClient] = {}
         self._clients_lock = threading.Lock()
@@ -60,7 +70,7 @@ class PrefillWorker(WorkerBase):
         with self._clients_lock:
             c = self._clients.get(endpoint)
             if c is None:
-                c = self._clients[endpoint] = KVTransferClient(endpoint, self.transport, self.timeout_s)
+                c = self._clients[endpoint] = KVTransferClient(endpoint, self.transport, self.timeout_s, tls=self.tls)
             return c
 
     def prefill(
@@ -80,11 +90,11 @@ class PrefillWorker(WorkerBase):
         res = pb.ReserveResponse.FromString(reservation)
         t0 = time.monotonic()
         client = self._client(res.endpoint)
-        push = client.push(request_id, res, deadline_s=self.timeout_s)
+        push = client.push(request_id, res)  # fails on its own if the receiver stops taking data
         self.streamer.track(request_id, push)
         try:
             stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
-            first = _first_output(stream)
+            first = _first_output(stream, push)
             t1 = time.monotonic()
         except BaseException:
             self.streamer.untrack(request_id)
@@ -131,10 +141,12 @@ class PrefillWorker(WorkerBase):
             c.close()
 
 
-def _first_output(stream: RequestStream) -> RequestOutput:
-    """The request's first output, however long the queue and the prompt take."""
+def _first_output(stream: RequestStream, push: KVPush) -> RequestOutput:
+    """The request's first output, however long the queue and the prompt take; the transfer's
+    error as soon as it has one (no use computing what cannot be delivered)."""
     while True:
         try:
             return stream.get(_POLL_S)
         except TimeoutError:
-            continue
+            if push.error is not None:
+                raise push.error from None

@@ -55,6 +55,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--colocate-below", type=int, default=0, help="uncached prompt tokens under which to skip P/D")
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
+    ap.add_argument("--kv-tls-cert", default=env("TANDEM_KV_TLS_CERT"), help="PEM certificate: TLS on the KV channel")
+    ap.add_argument("--kv-tls-key", default=env("TANDEM_KV_TLS_KEY"), help="PEM private key of --kv-tls-cert")
+    ap.add_argument("--kv-tls-ca", default=env("TANDEM_KV_TLS_CA"), help="PEM CA: verify peers (mutual TLS)")
     return ap.parse_args(argv)
 
 
@@ -88,6 +91,20 @@ def _watch_ray(stop: threading.Event) -> None:
             return
 
 
+def _kv_tls(args: argparse.Namespace) -> Any:
+    """The KV channel's TLS files, or None for plaintext. Raises SystemExit on a bad combination."""
+    if not (args.kv_tls_cert or args.kv_tls_key or args.kv_tls_ca):
+        return None
+    from kv_transfer.security import KVTLSConfig
+
+    if not (args.kv_tls_cert and args.kv_tls_key):
+        raise SystemExit("tandem serve: TLS on the KV channel needs --kv-tls-cert and --kv-tls-key (--kv-tls-ca optional)")
+    try:
+        return KVTLSConfig(args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca)
+    except ValueError as e:
+        raise SystemExit(f"tandem serve: --kv-tls-*: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.join:
@@ -117,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         colocated=args.colocated,
         engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=args.threads or None),
         transport=args.transport,
+        kv_tls=_kv_tls(args),
     )
     started = time.monotonic()
     print(

@@ -1,17 +1,19 @@
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
 from cluster.redis_server import EmbeddedRedis
-from cluster.state import ClusterState
+from cluster.state import ClusterState, StateUnavailable
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +204,73 @@ def test_stop_leaves_no_process() -> None:
     assert srv.pid is None and not srv.running
     assert not _alive(pid) and not data_dir.exists()
     assert not st.ping()
-    with pytest.raises(redis.ConnectionError):
+    with pytest.raises(StateUnavailable):
         st.desired()
     st.close()
+
+
+def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_watchdog_restarts_a_killed_server_on_the_same_port() -> None:
+    with EmbeddedRedis() as srv:
+        st = ClusterState(srv.url, "watchdog", socket_timeout_s=0.25, retries=0)
+        st.set_desired("decode", 2)
+        for n in (1, 2):
+            old = srv.pid
+            assert old is not None
+            os.kill(old, signal.SIGKILL)
+            _until(functools.partial(_restarted, srv, n), 10, f"restart number {n}")
+            assert not _alive(old) and srv.running and srv.pid != old and not srv.gave_up
+            _until(st.ping, 5, "the client to reconnect")
+            assert st.desired() == {}  # no persistence: it came back empty
+            st.set_desired("decode", 2)
+        old = srv.pid
+        srv.restart()  # on purpose: not a watchdog restart
+        assert srv.pid != old and srv.restarts == 2
+        st.close()
+    assert not srv.running and old is not None and not _alive(old)
+
+
+def _restarted(srv: EmbeddedRedis, n: int) -> bool:
+    return srv.restarts == n  # counted once the new server answers PING
+
+
+def test_watchdog_stops_after_its_restart_budget() -> None:
+    srv = EmbeddedRedis(max_restarts=2, restart_backoff_s=0.3).start()
+    pid = srv.pid
+    assert pid is not None
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: _bound(squatter, srv.port), 5, "the port to be free")  # now every restart fails
+        _until(lambda: srv.gave_up, 30, "the watchdog to give up")
+        assert srv.restarts == 0 and not srv.running
+    finally:
+        squatter.close()
+        srv.stop()
+    assert not srv.running
+
+
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    sock.listen(1)
+    return True
+
+
+def test_stop_is_final_for_the_watchdog() -> None:
+    srv = EmbeddedRedis(restart_backoff_s=0.01).start()
+    pid = srv.pid
+    srv.stop()  # joins the watchdog: nothing can start it again after this returns
+    assert pid is not None and not _alive(pid) and not srv.running and srv.restarts == 0
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", srv.port), timeout=1).close()

@@ -127,3 +127,85 @@ def test_concurrent_requests_do_not_deadlock(workers: tuple[PrefillWorker, Decod
     d.check_integrity()
     p.check_integrity()
     assert d.stats()["free_blocks"] == 128
+
+
+def ping_while_the_engine_lock_is_held(w: PrefillWorker | DecodeWorker | ColocatedWorker) -> list[str]:
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with w.loop.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    answered: list[str] = []
+    pinger = threading.Thread(target=lambda: answered.append(w.ping()), daemon=True)
+    pinger.start()
+    pinger.join(2)
+    release.set()
+    holder.join(10)
+    return answered
+
+
+def test_ping_never_takes_the_engine_lock(workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker]) -> None:
+    """ping() answers while something else holds the engine lock (a long step)."""
+    for w in workers:
+        assert ping_while_the_engine_lock_is_held(w) == [w.worker_id], f"{w.worker_id}: ping waited for the lock"
+        w.check_integrity()
+
+
+def test_idle_waits_for_serving_calls_to_return(model_dir: str) -> None:
+    """The engine is done with a request before the call that serves it has returned its last
+    output: idle() (what a drain waits for) counts the call, then a short settle."""
+    import time
+
+    from engine.worker_base import IDLE_SETTLE_S
+
+    c = ColocatedWorker("c2", model_dir, CFG)
+    try:
+        assert c.idle()
+        with c.serving():
+            outs = list(c.generate("s", [1, 2, 3], PARAMS))
+            assert outs[-1].finished and c.loop.num_streams == 0
+            assert not c.idle()
+        returned = time.monotonic()
+        assert not c.idle()
+        while not c.idle():
+            assert time.monotonic() - returned < IDLE_SETTLE_S + 5
+            time.sleep(0.02)
+        assert time.monotonic() - returned >= IDLE_SETTLE_S
+        c.check_integrity()
+    finally:
+        c.shutdown()
+
+
+def test_kv_over_tls_between_workers(
+    model_dir: str, workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker], tmp_path: Path
+) -> None:
+    """The TLS config a deployment passes (ClusterConfig.kv_tls) reaches both ends: same tokens."""
+    from dataclasses import replace
+
+    from tests.unit.pki import write_pki
+
+    server_tls, client_tls = write_pki(tmp_path)
+    p = PrefillWorker("p-tls", model_dir, replace(CFG, role="prefill"), tls=client_tls)
+    d = DecodeWorker("d-tls", model_dir, replace(CFG, role="decode"), tls=server_tls)
+    plain = PrefillWorker("p-plain", model_dir, replace(CFG, role="prefill"))
+    try:
+        prompt = [(5 * j) % 128 for j in range(23)]
+        tokens, out = disaggregated(p, d, "tls-1", prompt)
+        assert tokens == [t for o in workers[2].generate("tls-c", prompt, PARAMS) for t in o.token_ids]
+        assert out.transfer.bytes > 0
+        with pytest.raises(KVTransferError):  # a plaintext sender cannot reach a TLS endpoint
+            disaggregated(plain, d, "tls-2", prompt)
+        assert d.release("tls-2")  # its release could not get through either: the hand-off's owner frees it
+        for w in (p, d, plain):
+            w.check_integrity()
+        assert d.stats()["free_blocks"] == 128 and p.stats()["free_blocks"] == 128
+    finally:
+        for w in (p, d, plain):
+            w.shutdown()

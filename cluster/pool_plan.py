@@ -1,0 +1,100 @@
+"""One round of the pool manager, decided from plain values: no Ray, no Redis, no clock.
+
+    per worker   WorkerHealth(state, age_s, silent_s, dead, idle)    what the probes saw
+    per pool     desired[role]                                       None: never read from Redis
+    ->           RoundPlan(promote, remove, drain, start)
+
+A worker is removed (its actor killed) only when it is gone or frozen, never because it is busy:
+its pings run on their own lane (cluster/actors.py), so a healthy worker answers however many
+streams it runs.
+
+    dead                              a call failed with an actor error: it is gone   remove now
+    starting, never answered, age_s > start_timeout_s                                  remove
+    up, silent_s > unresponsive_s     no ping answered for that long: frozen           remove
+    draining                          only once idle() says True (or it is dead);
+                                      silence or a slow idle() never kills a drain
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from cluster.state import ROLES
+
+State = Literal["starting", "up", "draining"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    start_timeout_s: float = 180.0  # model load and first ping, however slow the node
+    unresponsive_s: float = 30.0  # sustained silence on the health lane before a kill
+
+    def __post_init__(self) -> None:
+        if not (self.start_timeout_s > 0 and self.unresponsive_s > 0):
+            raise ValueError(f"limits must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """What the last probes said about one worker."""
+
+    worker_id: str
+    role: str
+    state: State
+    age_s: float  # since its actor was started
+    silent_s: float | None  # since its last answered ping; None: it never answered one
+    dead: bool = False  # a ping, idle() or drain() failed with an actor error
+    idle: bool = False  # draining, and idle() answered True
+
+
+@dataclass(frozen=True)
+class Removal:
+    worker_id: str
+    reason: str  # died | did not start | unresponsive | drained
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    promote: tuple[str, ...] = ()  # starting -> up: answered its first ping
+    remove: tuple[Removal, ...] = ()
+    drain: tuple[str, ...] = ()
+    start: tuple[str, ...] = ()  # one role per worker to start
+
+
+def removal(w: WorkerHealth, limits: Limits) -> Removal | None:
+    """Why `w` must go now, or None: see the table in the module docstring."""
+    if w.dead:
+        return Removal(w.worker_id, "died")
+    if w.state == "draining":
+        return Removal(w.worker_id, "drained") if w.idle else None
+    if w.silent_s is None:
+        return Removal(w.worker_id, "did not start") if w.age_s > limits.start_timeout_s else None
+    if w.state == "up" and w.silent_s > limits.unresponsive_s:
+        return Removal(w.worker_id, "unresponsive")
+    return None
+
+
+def decide(workers: Sequence[WorkerHealth], desired: Mapping[str, int] | None, limits: Limits) -> RoundPlan:
+    """Removals first, then each pool brought to its desired size among the workers left.
+
+    A pool that is short starts workers; one that is long drains the workers that were
+    starting, then the newest. `desired=None` (sizes never known) changes no pool size."""
+    removals = tuple(r for r in (removal(w, limits) for w in workers) if r is not None)
+    gone = {r.worker_id for r in removals}
+    left = [w for w in workers if w.worker_id not in gone]
+    promote = tuple(w.worker_id for w in left if w.state == "starting" and w.silent_s is not None)
+    if desired is None:
+        return RoundPlan(promote=promote, remove=removals)
+    drain: list[str] = []
+    start: list[str] = []
+    for role in sorted(ROLES):
+        want = desired.get(role, 0)
+        active = [w for w in left if w.role == role and w.state != "draining"]
+        start += [role] * (want - len(active))
+        if len(active) > want:
+            answered = set(promote)
+            victims = sorted(active, key=lambda w: (w.state == "up" or w.worker_id in answered, w.age_s))
+            drain += [w.worker_id for w in victims[: len(active) - want]]
+    return RoundPlan(promote, removals, tuple(drain), tuple(start))
