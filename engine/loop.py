@@ -1,8 +1,8 @@
 """EngineLoop: one thread drives an Engine; any thread submits, aborts and reads streams.
 
-The engine is not thread-safe. Everything that touches it takes `lock` (an RLock that
-the KV receiver shares); the loop holds it for one step at a time, so submissions
-interleave between steps.
+The engine is not thread-safe. Everything that touches it takes `lock` (a FairRLock that
+the KV receiver shares); the loop holds it for one step at a time and, the lock being fair,
+queues behind any caller already waiting: an abort or a submission waits one step at most.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.errors import EngineError
+from engine.fair_lock import FairRLock
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,9 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, lock: threading.RLock | None = None) -> None:
+    def __init__(self, engine: Engine, lock: FairRLock | None = None) -> None:
         self.engine = engine
-        self.lock = lock or threading.RLock()
+        self.lock = lock or FairRLock()
         self.steps = 0
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Event()
