@@ -25,7 +25,8 @@ from engine.config import EngineConfig
 
 def run(names: list[str], quick: bool, dtype: str = "fp32") -> list[ScenarioResult]:
     """Start 1P+2D, serve it, run the named scenarios in order; the cluster is shut down after."""
-    engine = EngineConfig(dtype=dtype, num_blocks=512, num_threads=1, max_num_seqs=64)  # type: ignore[arg-type]
+    engine = EngineConfig(dtype=dtype, num_blocks=512, num_threads=1, max_num_seqs=64,  # type: ignore[arg-type]
+                          max_num_batched_tokens=256)  # fmt: skip
     config = ClusterConfig(namespace=namespace("chaos"), prefill=1, decode=2, engine=engine)
     results = []
     with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:

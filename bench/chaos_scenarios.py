@@ -263,11 +263,15 @@ def disconnects(c: Chaos) -> ScenarioResult:
         hang_up()
         queued_freed_s = until(lambda: _waiting(url) == 0, 10, "the queue slot back")
         holder.join(120)
-    before = c.held_blocks()
+    prefilling = c.workers("prefill")
+
+    def queued_prefill() -> int:  # the router's own count: asking a worker would wait for its step
+        return sum(c.cluster.ledger.load(p).prefill_tokens for p in prefilling)
+
     hang_up = c.client.hang_up_later(c.prompts(1, "disconnect", words=1600)[0])
-    until(lambda: len(c.cluster.ledger) == 1 and c.held_blocks() > before, 30, "the prefill under way")
-    time.sleep(0.3)
-    in_prefill = sum(c.cluster.ledger.load(p).prefill_tokens for p in c.workers("prefill")) > 0
+    until(lambda: len(c.cluster.ledger) == 1 and queued_prefill() > 0, 30, "the prefill under way")
+    time.sleep(0.5)  # into the prompt's compute, with its first layers on the wire
+    in_prefill = queued_prefill() > 0
     hang_up()
     t_fault = time.monotonic()
     freed_s = until(lambda: c.held_blocks() == 0 and len(c.cluster.ledger) == 0, 30, "blocks back", 0.02)

@@ -1,0 +1,80 @@
+"""Faults under load, on real Ray, a real redis-server, the real model and real process kills,
+through the real router: the scenarios of `tandem bench chaos` (bench.chaos_scenarios), asserted.
+
+One cluster (1 prefill + 2 decode to start) and one router for the module; each scenario sets
+the pool sizes it needs and ends with check_integrity() on every surviving worker and the
+router's ledger (Chaos.held_after_idle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.chaos_scenarios import (
+    Chaos,
+    ScenarioResult,
+    decode_kill,
+    decode_stop,
+    disconnects,
+    prefill_kill,
+    redis_kill,
+)
+from bench.harness import running_cluster, serving, unique_namespace
+from cluster.cluster import ClusterConfig
+from engine.config import EngineConfig
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def chaos() -> Iterator[Chaos]:
+    # 256-token prefill chunks: an abort waits for the engine's current step, so steps stay short
+    engine = EngineConfig(dtype="fp32", num_blocks=512, num_threads=1, max_num_seqs=64, max_num_batched_tokens=256)
+    config = ClusterConfig(namespace=unique_namespace("faults"), prefill=1, decode=2, engine=engine)
+    with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:
+        yield Chaos(cluster, url, "SmolLM2-135M-Instruct", MAX_TOKENS)
+
+
+def clean(r: ScenarioResult) -> None:
+    assert (r.completed, r.errored, r.hung) == (r.requests, 0, 0), r
+    assert r.held_blocks == 0, r
+
+
+def test_decode_worker_killed_mid_stream(chaos: Chaos) -> None:
+    r = decode_kill(chaos, n=32)
+    clean(r)
+    assert r.facts["same_text"] == r.facts["usage_exact"] == 32, r.facts
+    assert r.facts["migrated"] > 0, "the killed worker had streams that moved"
+    low, high = r.facts["burst_split"]
+    assert 12 <= low <= high <= 20, f"a burst of 32 over 2 decode workers split {low}/{high}"
+
+
+def test_prefill_worker_killed_mid_transfer(chaos: Chaos) -> None:
+    r = prefill_kill(chaos, n=8)
+    clean(r)
+    assert r.facts["same_text"] == r.facts["usage_exact"] == 8, r.facts
+
+
+def test_decode_worker_frozen_for_15_s(chaos: Chaos) -> None:
+    r = decode_stop(chaos, n=16, stop_s=15.0)
+    clean(r)
+    assert r.facts["same_text"] == 16 and r.facts["migrated"] > 0, r.facts
+    assert r.facts["affected_max_s"] < 15.0, "the frozen worker's streams moved before it woke up"
+    assert 0 < r.facts["others_tpot_ratio"] <= 2.0, r.facts
+
+
+def test_redis_killed_under_load(chaos: Chaos) -> None:
+    r = redis_kill(chaos, n=16)
+    clean(r)
+    assert r.facts["same_text"] == 16, r.facts
+    assert r.facts["new_request_ok"] and 0 < r.facts["new_first_token_s"] < 2.0, r.facts
+    assert r.facts["redis_restarted"], r.facts
+
+
+def test_client_disconnects_free_everything(chaos: Chaos) -> None:
+    r = disconnects(chaos)
+    assert r.held_blocks == 0
+    assert r.facts["hung_up_in_prefill"], "the client hung up before its first token"
+    assert r.facts["queued_slot_freed_s"] < 1.0 and r.facts["prefill_blocks_freed_s"] < 1.0, r.facts
