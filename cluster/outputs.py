@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.messages import TokenOutput
-from engine.sampler import TokenLogprob
 from kv_transfer.stats import TransferStats
 
 
@@ -40,21 +39,14 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class StreamOutput:
+class StreamOutput(TokenOutput):
     """A step's news for one request, as the client sees it: `num_prompt_tokens` is the client's
-    prompt and `num_output_tokens` counts every output token so far, across migrations."""
+    prompt and `num_output_tokens` counts every output token so far, across migrations; the
+    first carries a Placement, the finished one the number of migrations."""
 
-    token_ids: tuple[int, ...]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
     placement: Placement | None = None
     migrations: int = 0
 
     @classmethod
-    def of(cls, out: TokenOutput, placement: Placement | None = None, migrations: int = 0) -> StreamOutput:
-        return cls(out.token_ids, out.text, out.finished, out.finish_reason, out.num_prompt_tokens,
-                   out.num_output_tokens, out.logprobs, placement, migrations)  # fmt: skip
+    def of_token(cls, out: TokenOutput, placement: Placement | None = None, migrations: int = 0) -> StreamOutput:
+        return cls(**vars(out), placement=placement, migrations=migrations)

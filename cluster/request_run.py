@@ -93,7 +93,7 @@ class RequestRun:
                     placement = attempt.placement if not emitted else None
                     migrations = self.migrations if out.finished else 0
                     emitted += out.token_ids
-                    yield StreamOutput.of(out.shifted(len(prompt), earlier), placement, migrations)
+                    yield StreamOutput.of_token(out.shifted(len(prompt), earlier), placement, migrations)
                 return
             except AttemptFailed as e:
                 if not emitted:

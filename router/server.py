@@ -98,7 +98,7 @@ def _kv_tls(args: argparse.Namespace) -> Any:
     from kv_transfer.security import KVTLSConfig
 
     if not (args.kv_tls_cert and args.kv_tls_key):
-        raise SystemExit("tandem serve: TLS on the KV channel needs --kv-tls-cert and --kv-tls-key (--kv-tls-ca optional)")
+        raise SystemExit("tandem serve: TLS on the KV channel needs --kv-tls-cert and --kv-tls-key")
     try:
         return KVTLSConfig(args.kv_tls_cert, args.kv_tls_key, args.kv_tls_ca)
     except ValueError as e:

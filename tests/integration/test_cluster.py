@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
+from tests.integration.waits import until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
@@ -35,15 +36,6 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         c.shutdown()
-
-
-def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def count(c: Cluster, role: str, state: str = "up") -> int:

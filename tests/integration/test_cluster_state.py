@@ -7,13 +7,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
 
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import ClusterState, StateUnavailable
+from tests.integration.waits import until
 
 
 @pytest.fixture(scope="module")
@@ -209,15 +210,6 @@ def test_stop_leaves_no_process() -> None:
     st.close()
 
 
-def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def test_watchdog_restarts_a_killed_server_on_the_same_port() -> None:
     with EmbeddedRedis() as srv:
         st = ClusterState(srv.url, "watchdog", socket_timeout_s=0.25, retries=0)
@@ -226,9 +218,9 @@ def test_watchdog_restarts_a_killed_server_on_the_same_port() -> None:
             old = srv.pid
             assert old is not None
             os.kill(old, signal.SIGKILL)
-            _until(functools.partial(_restarted, srv, n), 10, f"restart number {n}")
+            until(functools.partial(_restarted, srv, n), 10, f"restart number {n}")
             assert not _alive(old) and srv.running and srv.pid != old and not srv.gave_up
-            _until(st.ping, 5, "the client to reconnect")
+            until(st.ping, 5, "the client to reconnect")
             assert st.desired() == {}  # no persistence: it came back empty
             st.set_desired("decode", 2)
         old = srv.pid
@@ -249,8 +241,8 @@ def test_watchdog_stops_after_its_restart_budget() -> None:
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         os.kill(pid, signal.SIGKILL)
-        _until(lambda: _bound(squatter, srv.port), 5, "the port to be free")  # now every restart fails
-        _until(lambda: srv.gave_up, 30, "the watchdog to give up")
+        until(lambda: _bound(squatter, srv.port), 5, "the port to be free")  # now every restart fails
+        until(lambda: srv.gave_up, 30, "the watchdog to give up")
         assert srv.restarts == 0 and not srv.running
     finally:
         squatter.close()

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from cluster.request_run import RequestRun
 from cluster.state import StateUnavailable
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from tests.integration.waits import until
 
 STREAMS = 64
 # ~0.3-0.4 s per decode step of 64 sequences on one CPU thread: ~100 tokens run 30-40 s
@@ -40,15 +41,6 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         c.shutdown()
-
-
-def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def pids(c: Cluster) -> dict[str, int]:

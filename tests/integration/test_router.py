@@ -10,7 +10,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from router.app import create_app
 from router.backend import ClusterBackend
 from router.settings import RouterSettings
+from tests.integration.waits import until
 
 TOKEN = "itest-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -72,15 +73,6 @@ def model(url: str) -> str:
 @pytest.fixture
 def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="anything", max_retries=0, timeout=120)
-
-
-def until(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def up(url: str, role: str) -> int:
