@@ -30,17 +30,10 @@ def run(names: list[str], quick: bool, dtype: str = "fp32") -> list[ScenarioResu
     config = ClusterConfig(namespace=namespace("chaos"), prefill=1, decode=2, engine=engine)
     results = []
     with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:
-        chaos = Chaos(cluster, url, "SmolLM2-135M-Instruct", max_tokens=32 if quick else 64)
-        chaos.client.model = cluster_model(url)
+        chaos = Chaos(cluster, url, max_tokens=32 if quick else 64)
         for name in names:
             results.append(SCENARIOS[name](chaos))
     return results
-
-
-def cluster_model(url: str) -> str:
-    import httpx
-
-    return str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
 def table(results: list[ScenarioResult]) -> str:

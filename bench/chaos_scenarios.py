@@ -7,6 +7,7 @@ fault's cost is measured against), then again with the fault, and reports a Scen
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -22,6 +23,7 @@ import ray
 
 from bench.chaos_client import ChatClient, Stream, run_streams
 from bench.harness import serving, wait_pools
+from bench.loadgen import first_model
 from bench.stats import percentile
 from cluster.cluster import Cluster
 
@@ -56,10 +58,10 @@ def until(cond: Callable[[], bool], timeout_s: float, what: str, every: float = 
 class Chaos:
     """A live cluster, the router over it, and the tools of the scenarios."""
 
-    def __init__(self, cluster: Cluster, url: str, model: str, max_tokens: int) -> None:
+    def __init__(self, cluster: Cluster, url: str, max_tokens: int) -> None:
         self.cluster = cluster
         self.url = url
-        self.client = ChatClient(url, model, max_tokens)
+        self.client = ChatClient(url, asyncio.run(first_model(url)), max_tokens)
 
     def pools(self, **sizes: int) -> None:
         wait_pools(self.cluster, **sizes)

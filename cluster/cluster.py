@@ -79,7 +79,6 @@ class Cluster:
         self.view = ViewRefresher(
             self._fast_state.workers, self._manager_handles, on_refresh=lambda v: self.ledger.reconcile(v.handles)
         ).start()
-        self._lock = threading.Lock()
 
     @classmethod
     def connect(cls, config: ClusterConfig | None = None) -> Cluster:

@@ -34,7 +34,7 @@ def chaos() -> Iterator[Chaos]:
     engine = EngineConfig(dtype="fp32", num_blocks=512, num_threads=1, max_num_seqs=64, max_num_batched_tokens=256)
     config = ClusterConfig(namespace=unique_namespace("faults"), prefill=1, decode=2, engine=engine)
     with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:
-        yield Chaos(cluster, url, "SmolLM2-135M-Instruct", MAX_TOKENS)
+        yield Chaos(cluster, url, MAX_TOKENS)
 
 
 def clean(r: ScenarioResult) -> None:
