@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,6 +16,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.loop import EngineLoop
+from engine.messages import TokenOutput
+from engine.sampling_params import SamplingParams
+from engine.torch_threads import on_spent_thread
 
 # A call's last output is on its way to the caller when the call returns: idle() waits this long
 # after the last one so that a drain never ends (and kills) a worker under an output in flight.
@@ -33,7 +36,8 @@ class WorkerBase:
         t = time.monotonic()
         self.worker_id = worker_id
         self.config = config
-        self.engine = Engine.from_path(model_path, config)
+        # built off this thread, so that the loop's thread holds the process's only OpenMP team
+        self.engine = on_spent_thread(lambda: Engine.from_path(model_path, config))
         self.loop = EngineLoop(self.engine).start()
         self.draining = False
         self._calls = 0
@@ -74,6 +78,24 @@ class WorkerBase:
 
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)
+
+    def _run_whole(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, step_timeout_s: float
+    ) -> Iterator[TokenOutput]:
+        """Prefill (what the prefix cache lacks) and decode `prompt_ids` in this engine, yielding
+        outputs until the request finishes; closing the generator early aborts the request."""
+        self._check_open()
+        stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
+        try:
+            for out in stream.iterate(step_timeout_s):
+                yield TokenOutput.of(out)
+        finally:
+            self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
+
+    def pop_block_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes cached and evicted in the engine since the last call (for the prefix index)."""
+        events: tuple[list[int], list[int]] = self.loop.call(lambda e: e.kv.pool.pop_events())
+        return events
 
     def stats(self) -> dict[str, Any]:
         def read(e: Engine) -> dict[str, Any]:
