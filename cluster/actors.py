@@ -1,4 +1,4 @@
-"""The Ray actors: the plain workers, plus a control lane, registration and heartbeats in Redis.
+"""The Ray actors: the plain workers, plus a control lane and registration in Redis (cluster.registration).
 
 Actors are threaded, with three lanes (Ray concurrency groups), so that no control call ever
 waits behind generation:
@@ -14,14 +14,12 @@ They ask for 0 CPUs and one slot of their role's custom resource, so placement f
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import ray
 
-from cluster.state import ClusterState, StateUnavailable
+from cluster.registration import PublishesBlocks, Registered
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
@@ -30,11 +28,6 @@ from engine.worker_base import WorkerBase
 from kv_transfer.security import KVTLSConfig
 from prefill_workers.worker import PrefillResult, PrefillWorker
 
-HEARTBEAT_S = 0.5
-TTL_S = 3.0
-# The heartbeat thread's Redis client: it gives up on a call at once rather than sit out an
-# outage (the next beat tries again), so a dead Redis never holds anything for long.
-HEARTBEAT_REDIS_TIMEOUT_S = 0.5
 MAX_STREAMS = 64
 HEALTH, CONTROL = "health", "control"
 CONCURRENCY_GROUPS = {HEALTH: 4, CONTROL: 16}
@@ -80,53 +73,7 @@ class _ControlLane(WorkerBase):
         super().check_integrity()
 
 
-class _Registered:
-    """Mixin: keep this worker's entry (and, for prefill, its cached block hashes) in Redis."""
-
-    worker_id: str
-    role: str
-    state: ClusterState
-    _stop_hb: threading.Event
-
-    def _register(self, state_url: str, namespace: str) -> None:
-        self.state = ClusterState(state_url, namespace, socket_timeout_s=HEARTBEAT_REDIS_TIMEOUT_S, retries=0)
-        self._stop_hb = threading.Event()
-        try:
-            self.state.register_worker(self.worker_id, self._info(), TTL_S)
-            self.state.emit("worker_up", worker_id=self.worker_id, role=self.role)
-        except StateUnavailable:  # Redis is away: serve anyway, the first beat that reaches it registers
-            pass
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-
-    def _info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self.stats()  # type: ignore[attr-defined]
-        info["node"] = socket.gethostname()
-        info["healthy"] = True
-        return info
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop_hb.wait(HEARTBEAT_S):
-            try:
-                self._publish_blocks()
-                if not self.state.heartbeat(self.worker_id, self._info(), TTL_S):
-                    # Redis lost our entry (restart, expiry): register again, republish the cache
-                    self.state.register_worker(self.worker_id, self._info(), TTL_S)
-                    self._republish_blocks()
-            except Exception:  # Redis down: keep serving, try again next beat
-                continue
-
-    def _publish_blocks(self) -> None:
-        pass
-
-    def _republish_blocks(self) -> None:
-        pass
-
-    def stop_heartbeat(self) -> None:
-        self._stop_hb.set()
-        self.state.deregister_worker(self.worker_id)
-
-
-class PrefillActor(_ControlLane, PrefillWorker, _Registered):
+class PrefillActor(_ControlLane, PrefillWorker, PublishesBlocks):
     def __init__(
         self,
         worker_id: str,
@@ -138,35 +85,17 @@ class PrefillActor(_ControlLane, PrefillWorker, _Registered):
         tls: KVTLSConfig | None = None,
     ) -> None:
         PrefillWorker.__init__(self, worker_id, model_path, config, transport, tls=tls)
-        self._cached: set[int] = set()
-        self._unpublished: tuple[list[int], list[int]] = ([], [])
         self._register(state_url, namespace)
-
-    def _publish_blocks(self) -> None:
-        stored, evicted = self.pop_block_events()
-        # Kept until Redis has them: an outage must not lose index updates.
-        self._unpublished[0].extend(stored)
-        self._unpublished[1].extend(evicted)
-        stored, evicted = self._unpublished
-        if stored:
-            self.state.add_blocks(self.worker_id, stored)
-            self._cached.update(stored)
-            stored.clear()
-        if evicted:
-            self.state.remove_blocks(self.worker_id, evicted)
-            self._cached.difference_update(evicted)
-            evicted.clear()
-
-    def _republish_blocks(self) -> None:
-        if self._cached:
-            self.state.add_blocks(self.worker_id, sorted(self._cached))
 
     def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
         with self.serving():
-            return super().prefill(*args, **kwargs)
+            try:
+                return super().prefill(*args, **kwargs)
+            finally:
+                self.publish_soon()
 
 
-class DecodeActor(_ControlLane, DecodeWorker, _Registered):
+class DecodeActor(_ControlLane, DecodeWorker, PublishesBlocks):
     def __init__(
         self,
         worker_id: str,
@@ -183,7 +112,17 @@ class DecodeActor(_ControlLane, DecodeWorker, _Registered):
 
     def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
         with self.serving():
-            yield from super().generate(*args, **kwargs)
+            try:
+                yield from super().generate(*args, **kwargs)
+            finally:
+                self.publish_soon()
+
+    def generate_local(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
+        with self.serving():
+            try:
+                yield from super().generate_local(*args, **kwargs)
+            finally:
+                self.publish_soon()
 
     @_lane(CONTROL)
     def release(self, request_id: str) -> bool:
@@ -195,7 +134,7 @@ class DecodeActor(_ControlLane, DecodeWorker, _Registered):
         return bool(self.loop.call(lambda e: len(self.receiver.table) == 0)) and super().idle()
 
 
-class ColocatedActor(_ControlLane, ColocatedWorker, _Registered):
+class ColocatedActor(_ControlLane, ColocatedWorker, Registered):
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
         super().__init__(worker_id, model_path, config)
         self._register(state_url, namespace)

@@ -2,7 +2,8 @@
 
 Cluster.connect()            local Ray + embedded redis-server + 1 prefill + 1 decode worker
 cluster.route(ids, p)        where a request would run: the view (no Redis wait) + the ledger
-cluster.generate(ids, p)     prefill -> KV transfer -> decode, as a RequestRun of outputs
+cluster.generate(ids, p)     prefill -> KV transfer -> decode (or the whole request on one worker:
+                             a local or colocated route), as a RequestRun of outputs
                              (cluster.handoff owns one attempt; cluster.request_run the failover)
 """
 
@@ -189,8 +190,9 @@ class Cluster:
     ) -> Route:
         live = view.live()
         bs = self.config.engine.block_size
-        prefill_ids = [w for w, info in live.items() if info.get("role") == "prefill" and w not in exclude]
-        cached = self._cached_blocks(prompt_ids, prefill_ids, view) if prefill_ids else {}
+        # prefill workers for the P/D route, decode workers for the local one (cluster.routing)
+        indexed = [w for w, info in live.items() if info.get("role") in ("prefill", "decode") and w not in exclude]
+        cached = self._cached_blocks(prompt_ids, indexed, view) if indexed else {}
         with self._route_lock:  # plan and hold as one step, so that a burst sees each other's picks
             loads = self.ledger.loads(live)
             views = [WorkerView.of(wid, info, loads[wid]) for wid, info in live.items()]
@@ -224,7 +226,8 @@ class Cluster:
         route: Route | None = None,
     ) -> RequestRun:
         """Prefill on a prefill worker, stream KV to a decode worker, and its outputs (or, for a
-        route without prefill, the whole request on a colocated worker), as StreamOutputs.
+        route without prefill, the whole request on a colocated worker, or on a decode worker that
+        holds its prefix for a local route), as StreamOutputs.
 
         The first output carries a Placement (workers, cached prefix, queue / prefill / transfer
         times, bytes moved); the finished one the number of migrations. A dead or

@@ -5,7 +5,8 @@
      +----------------------------+------ failure / cancel / stall ---+----------------------------+--> FAILED
                                                                                        finished --> DONE
 
-A colocated route (no prefill worker) goes NEW --generate--> STREAMING. On every way out but
+A colocated route (no prefill worker) goes NEW --generate--> STREAMING; a local route (the whole
+request on a decode worker that holds its prefix) NEW --generate_local--> STREAMING. On every way out but
 DONE, `close()` frees what the attempt holds, fire-and-forget (a frozen worker cannot hold the
 caller): the decode side's reservation (release) and request (abort), the prefill's request
 (abort). The receiver's lease is the backstop if even that is lost.
@@ -142,7 +143,9 @@ class Attempt:
         self.prefill = handles[route.prefill] if route.prefill is not None else None
 
     def run(self) -> Iterator[TokenOutput]:
-        if self.prefill is None:
+        if self.route.local:
+            yield from self._whole(self.decode.generate_local)
+        elif self.prefill is None:
             yield from self._colocated()
         else:
             yield from self._disaggregated(self.prefill)
@@ -184,6 +187,18 @@ class Attempt:
                 worker = self.route.decode
                 self.placement = Placement(worker, worker, prefill_s=time.monotonic() - t0)
                 first = False
+            yield out
+
+    def _whole(self, method: Any) -> Iterator[TokenOutput]:
+        """The whole request on the route's one worker through `method`, a streaming actor method
+        taking (request_id, prompt, params); the placement counts the prefix its engine had cached."""
+        t0 = time.monotonic()
+        gen = method.options(num_returns="streaming").remote(self.request_id, self.prompt, self.params)
+        self.stage = Stage.STREAMING
+        worker = self.route.decode
+        for out in self._stream(gen, worker):
+            if self.placement is None:
+                self.placement = Placement(worker, worker, out.num_cached_tokens, prefill_s=time.monotonic() - t0)
             yield out
 
     def _await(self, ref: Any, live: Liveness, suspect: str | None = None) -> Any:

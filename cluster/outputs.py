@@ -38,7 +38,7 @@ class Placement:
         return cls(prefill, decode, cached, *times, moved.bytes, moved.seconds)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # its own fields by name: TokenOutput may grow
 class StreamOutput(TokenOutput):
     """A step's news for one request, as the client sees it: `num_prompt_tokens` is the client's
     prompt and `num_output_tokens` counts every output token so far, across migrations; the

@@ -8,9 +8,15 @@ estimated time to first token:
     ttft(w) = (queued prefill tokens on w + this prompt's tokens not cached on w) * w's s/token
 
 so a cache hit wins exactly while it saves more than the queue it waits behind costs, with no
-cliff. `plan_route` puts them together, with conditional disaggregation: a prompt whose
-uncached part is short runs whole on a colocated worker, where a KV transfer costs more than
-it saves.
+cliff. `plan_route` puts them together, with conditional disaggregation:
+
+    local       a decode worker holds more of the prompt than any prefill worker (a conversation's
+                history and the last answer, which it wrote) and the rest is short: the request
+                runs whole there, prefilling only the rest (`pick_local`)
+    colocated   the prompt's uncached part is short: it runs whole on a colocated worker
+    P/D         otherwise: prefill on a prefill worker, KV to a decode worker
+
+A local or colocated route moves no KV: where the transfer costs more than it saves.
 """
 
 from __future__ import annotations
@@ -58,10 +64,11 @@ class WorkerView:
         )
 
 
-def pick_decode(workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()) -> str | None:
-    """The healthy, non-draining decode worker with room for `blocks_needed` blocks that has
-    the fewest streams in flight, then the most free blocks. None when none has room."""
-    fits = [
+def decode_with_room(
+    workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()
+) -> list[WorkerView]:
+    """The healthy, non-draining decode workers with room for `blocks_needed` blocks."""
+    return [
         w
         for w in workers
         if w.role == "decode"
@@ -70,6 +77,12 @@ def pick_decode(workers: Sequence[WorkerView], blocks_needed: int, exclude: froz
         and w.free >= blocks_needed
         and w.worker_id not in exclude
     ]
+
+
+def pick_decode(workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()) -> str | None:
+    """The decode worker with room for `blocks_needed` blocks that has the fewest streams in
+    flight, then the most free blocks. None when none has room."""
+    fits = decode_with_room(workers, blocks_needed, exclude)
     if not fits:
         return None
     return min(fits, key=lambda w: (w.streams, -w.free, w.worker_id)).worker_id
@@ -108,23 +121,41 @@ class RoutingPolicy:
     colocate_below_tokens: a prompt whose uncached part (after the best prefill worker's
     cached prefix) is shorter than this runs whole on a colocated worker, with no KV transfer,
     when one is up with room; 0 turns conditional disaggregation off.
+
+    local_below_tokens: a prompt whose uncached part on a decode worker (after its cached
+    prefix, longer than any prefill worker's) is shorter than this runs whole on that decode
+    worker; 0 turns the local route off. The bound is what the running streams there pay: the
+    rest is prefilled in the decode engine's steps, and 256 tokens (a chat message and its
+    template) fit in one step of the default token budget (EngineConfig.max_num_batched_tokens,
+    2048) and cost about as much compute as that many decode tokens, one stretched step for the
+    batch, where P/D would recompute the answer and move the whole history's KV. Keep it under
+    the decode engines' max_num_batched_tokens, so that it never takes more than one step.
     """
 
     colocate_below_tokens: int = 0
+    local_below_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.colocate_below_tokens < 0:
             raise ValueError("colocate_below_tokens must be >= 0")
+        if self.local_below_tokens < 0:
+            raise ValueError("local_below_tokens must be >= 0")
 
 
 @dataclass(frozen=True)
 class Route:
-    """Where one request runs. `prefill` None: the whole request runs on `decode`, a colocated
-    worker, with no transfer. `cached_tokens`: the prefix the index says `prefill` holds."""
+    """Where one request runs. `prefill` None: the whole request runs on `decode` with no
+    transfer: a colocated worker, or with `local` a decode worker (`DecodeWorker.generate_local`).
+    `cached_tokens`: the prefix the index says `prefill` (`decode` when local) holds."""
 
     decode: str
     prefill: str | None = None
     cached_tokens: int = 0
+    local: bool = False
+
+    def __post_init__(self) -> None:
+        if self.local and self.prefill is not None:
+            raise ValueError("a local route runs on its decode worker alone: no prefill worker")
 
     @property
     def workers(self) -> frozenset[str]:
@@ -139,6 +170,29 @@ def pick_colocated(
     return pick_decode(as_decode, blocks_needed, exclude)
 
 
+def pick_local(
+    workers: Sequence[WorkerView],
+    cached_blocks: Mapping[str, int],
+    prompt_tokens: int,
+    blocks_needed: int,
+    block_size: int,
+    below_tokens: int,
+    exclude: frozenset[str] = frozenset(),
+) -> tuple[str, int] | None:
+    """The decode worker with room (as `pick_decode`) holding the longest cached prefix of the
+    prompt, with fewer than `below_tokens` tokens left to prefill, and that prefix; ties go to
+    the fewest streams, then the most free blocks. None when no decode worker qualifies."""
+    best: tuple[tuple[int, int, int, str], str, int] | None = None
+    for w in decode_with_room(workers, blocks_needed, exclude):
+        cached = min(cached_blocks.get(w.worker_id, 0) * block_size, prompt_tokens)
+        if cached == 0 or prompt_tokens - cached >= below_tokens:
+            continue
+        key = (-cached, w.streams, -w.free, w.worker_id)
+        if best is None or key < best[0]:
+            best = (key, w.worker_id, cached)
+    return None if best is None else (best[1], best[2])
+
+
 def plan_route(
     workers: Sequence[WorkerView],
     cached_blocks: Mapping[str, int],
@@ -148,12 +202,18 @@ def plan_route(
     policy: RoutingPolicy | None = None,
     exclude: frozenset[str] = frozenset(),
 ) -> Route | None:
-    """Decode (capacity) and prefill (cached prefix, then queue) for one request, or a colocated
-    worker when the uncached part is short or no P/D pair is available. None: nowhere to run."""
+    """Decode (capacity) and prefill (cached prefix, then queue) for one request; or the whole
+    request on a decode worker that holds more of the prompt than the prefill pool, when the rest
+    is short (local); or on a colocated worker when the uncached part is short or no P/D pair is
+    available. `cached_blocks`: the prefix index's answer for prefill and decode workers.
+    None: nowhere to run."""
     policy = policy or RoutingPolicy()
     blocks = -(-(prompt_tokens + max_tokens) // block_size)
     prefill = pick_prefill(workers, cached_blocks, prompt_tokens, block_size, exclude)
     cached = min(cached_blocks.get(prefill, 0) * block_size, prompt_tokens) if prefill is not None else 0
+    local = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, policy.local_below_tokens, exclude)
+    if local is not None and local[1] > cached:
+        return Route(decode=local[0], cached_tokens=local[1], local=True)
     colocated = pick_colocated(workers, blocks, exclude)
     if colocated is not None and prompt_tokens - cached < policy.colocate_below_tokens:
         return Route(decode=colocated)

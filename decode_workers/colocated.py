@@ -18,10 +18,4 @@ class ColocatedWorker(WorkerBase):
     def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, step_timeout_s: float = 60.0
     ) -> Iterator[TokenOutput]:
-        self._check_open()
-        stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
-        try:
-            for out in stream.iterate(step_timeout_s):
-                yield TokenOutput.of(out)
-        finally:
-            self.loop.abort(request_id)
+        yield from self._run_whole(request_id, prompt_ids, params, step_timeout_s)

@@ -64,6 +64,14 @@ class DecodeWorker(WorkerBase):
         finally:
             self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
 
+    def generate_local(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, step_timeout_s: float = 30.0
+    ) -> Iterator[TokenOutput]:
+        """The local route: run a request whole here, prefilling only what this engine's prefix
+        cache lacks (a conversation's next turn, whose history and last answer this worker wrote),
+        then decoding. Outputs as `generate`'s; the first carries `num_cached_tokens`."""
+        yield from self._run_whole(request_id, prompt_ids, params, step_timeout_s)
+
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["reservations"] = len(self.receiver.table)

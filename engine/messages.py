@@ -14,7 +14,8 @@ from engine.sampler import TokenLogprob
 
 @dataclass(frozen=True)
 class TokenOutput:
-    """New tokens of one request. `num_output_tokens` counts every output token so far."""
+    """New tokens of one request. `num_output_tokens` counts every output token so far;
+    `num_cached_tokens`: prompt tokens the engine found in its prefix cache (0 where unknown)."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -23,6 +24,7 @@ class TokenOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    num_cached_tokens: int = 0
 
     @classmethod
     def of(cls, o: RequestOutput) -> TokenOutput:
@@ -34,6 +36,7 @@ class TokenOutput:
             o.num_prompt_tokens,
             o.num_output_tokens,
             tuple(o.logprobs),
+            o.num_cached_tokens,
         )
 
     def shifted(self, prompt_tokens: int, earlier_outputs: int) -> TokenOutput:

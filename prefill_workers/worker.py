@@ -64,7 +64,6 @@ class PrefillWorker(WorkerBase):
         self.streamer = LayerStreamer(self.engine)
         self._clients: dict[str, KVTransferClient] = {}
         self._clients_lock = threading.Lock()
-        self.block_events: tuple[list[int], list[int]] = ([], [])
 
     def _client(self, endpoint: str) -> KVTransferClient:
         with self._clients_lock:
@@ -111,7 +110,6 @@ class PrefillWorker(WorkerBase):
             raise
         finally:
             self.loop.call(lambda e: e.release(request_id))
-            self._collect_block_events()
         out = TokenOutput.of(first)
         if first.finish_reason == "prefill_done":
             out = TokenOutput(out.token_ids, out.text, False, None, out.num_prompt_tokens, out.num_output_tokens,
@@ -124,16 +122,6 @@ class PrefillWorker(WorkerBase):
             transfer_s=time.monotonic() - t1,
             transfer=stats,
         )
-
-    def _collect_block_events(self) -> None:
-        stored, evicted = self.loop.call(lambda e: e.kv.pool.pop_events())
-        self.block_events[0].extend(stored)
-        self.block_events[1].extend(evicted)
-
-    def pop_block_events(self) -> tuple[list[int], list[int]]:
-        """Block hashes cached and evicted since the last call (for the cluster's prefix index)."""
-        events, self.block_events = self.block_events, ([], [])
-        return events
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -53,6 +53,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--allow-loopback-admin", action="store_true")
     ap.add_argument("--colocate-below", type=int, default=0, help="uncached prompt tokens under which to skip P/D")
+    ap.add_argument(
+        "--local-below",
+        type=int,
+        default=None,
+        help="tokens a decode worker lacks of a prompt whose prefix it holds, under which it runs it whole "
+        "(0: off; default: RoutingPolicy's)",
+    )
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
     ap.add_argument("--kv-tls-cert", default=env("TANDEM_KV_TLS_CERT"), help="PEM certificate: TLS on the KV channel")
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         model_name=args.served_model_name,
         max_running=args.max_running,
         colocate_below_tokens=args.colocate_below,
+        **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),
         allow_loopback_admin=args.allow_loopback_admin,
         **({"admin_token": args.admin_token} if args.admin_token else {}),
     )
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         stop = threading.Event()
         if joined:
             threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
-        backend = ClusterBackend(cluster, RoutingPolicy(colocate_below_tokens=settings.colocate_below_tokens))
+        policy = RoutingPolicy(settings.colocate_below_tokens, settings.local_below_tokens)
+        backend = ClusterBackend(cluster, policy)
         app = create_app(backend, settings)
         url = f"http://{settings.host}:{settings.port}"
         print(f"ready in {time.monotonic() - started:.1f} s", flush=True)

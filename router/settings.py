@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.routing import RoutingPolicy
+
 
 class RouterSettings(BaseModel):
     """How the router listens, admits, retries and authenticates. Frozen once built.
@@ -37,6 +39,7 @@ class RouterSettings(BaseModel):
     api_keys: tuple[str, ...] = ()
     max_replicas: int = Field(default=64, ge=1)
     colocate_below_tokens: int = Field(default=0, ge=0)
+    local_below_tokens: int = Field(default=RoutingPolicy.local_below_tokens, ge=0)  # see RoutingPolicy
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     min_priority: int = -100
     max_priority: int = 100

@@ -146,3 +146,28 @@ def test_redis_restart_while_idle(cluster: Cluster, engine_fp32: Engine) -> None
     ids = chat(engine_fp32, "Say hello.")
     assert tokens_of(list(cluster.generate(ids, GREEDY))) == engine_fp32.generate([ids], GREEDY)[0].token_ids
     cluster.check_integrity()
+
+
+def test_next_turn_runs_on_the_decode_worker_that_wrote_the_answer(cluster: Cluster, engine_fp32: Engine) -> None:
+    """Turn 2 (turn 1's prompt + answer + a new message) reuses the KV that turn 1 left on its
+    decode worker: the local route, with the cached count in the breakdown and a cold run's tokens."""
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    ids = chat(engine_fp32, "Name three rivers in Europe and say one thing about each.")
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    first = list(cluster.generate(ids, params))
+    answer = tokens_of(first)
+    assert first[0].placement is not None
+    holder = first[0].placement.decode_worker
+    bs = cluster.config.engine.block_size
+    hashes = prefix_hashes(ids + answer[:-1], bs)  # the last token sampled is never run
+    until(lambda: cluster.state.longest_prefix(hashes, [holder]).get(holder, 0) == len(hashes), 10, "the index")
+    turn2 = ids + answer + tok.encode("<|im_end|>\n<|im_start|>user\nAnd a fourth?<|im_end|>\n<|im_start|>assistant\n")
+    second = list(cluster.generate(turn2, GREEDY))
+    placement = second[0].placement
+    assert placement is not None
+    assert placement.prefill_worker == placement.decode_worker == holder
+    assert placement.cached_tokens == len(hashes) * bs
+    assert placement.transfer_bytes == 0
+    assert tokens_of(second) == engine_fp32.generate([turn2], GREEDY)[0].token_ids
+    cluster.check_integrity()

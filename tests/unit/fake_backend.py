@@ -91,7 +91,7 @@ class FakeBackend:
                     )
                 yield StreamOutput(
                     (tok,), self.tokenizer.decode([tok]), last, "length" if last else None, len(prompt_ids), i + 1,
-                    logprobs, placement,
+                    logprobs, placement=placement,
                 )  # fmt: skip
         finally:
             self.closed.append(request_id)

@@ -11,6 +11,7 @@ from cluster.routing import (
     WorkerView,
     pick_colocated,
     pick_decode,
+    pick_local,
     pick_prefill,
     plan_route,
     prefill_eta,
@@ -137,6 +138,37 @@ def test_conditional_disaggregation_runs_short_uncached_prompts_colocated() -> N
     assert plan_route(PD, {}, 40, 10, 16, policy) == Route(decode="d1", prefill="p1")  # no colocated worker up
 
 
+def test_a_next_turn_runs_local_on_the_decode_worker_that_holds_its_history() -> None:
+    """340 prompt + 24 new tokens = 23 blocks of 16. d2 wrote the last answer: it holds 20 blocks
+    (320 tokens), the prefill worker only the previous prompt (4 blocks)."""
+    p1, d1 = w("p1", "prefill"), w("d1", "decode")
+    ws = [p1, d1, w("d2", "decode", running=5)]
+    held = {"p1": 4, "d2": 20}
+    local = Route(decode="d2", cached_tokens=320, local=True)
+    pd = Route(decode="d1", prefill="p1", cached_tokens=64)
+
+    def plan(workers: list[WorkerView], prompt: int = 340, **kw: object) -> Route | None:
+        return plan_route(workers, held, prompt, 24, 16, **kw)  # type: ignore[arg-type]
+
+    assert plan(ws) == local  # 20 tokens left < 256, busier than d1 or not
+    assert pick_local(ws, held, 340, 23, 16, 256) == ("d2", 320)
+    assert plan(ws, prompt=600) == Route(decode="d1", prefill="p1", cached_tokens=64)  # 280 left: P/D
+    assert plan(ws, policy=RoutingPolicy(local_below_tokens=20)) == pd
+    assert plan(ws, policy=RoutingPolicy(local_below_tokens=0)) == pd  # off
+    assert plan(ws, exclude=frozenset({"d2"})) == pd  # a retry after d2 failed
+    # no room on d2 for 23 blocks, by its heartbeat or by what was reserved since: P/D on d1
+    assert plan([p1, d1, w("d2", "decode", free=22)]) == pd
+    assert plan([p1, d1, w("d2", "decode", load=WorkerLoad(streams=1, blocks=80))]) == pd
+    assert plan([p1, d1, w("d2", "decode", draining=True)]) == pd
+    # the prefill pool holds as much: nothing to save locally, the P/D split stands
+    assert plan_route(ws, {"p1": 20, "d2": 20}, 340, 24, 16) == Route("d1", "p1", cached_tokens=320)
+    # two holders: the longer prefix, then the fewer streams; no prefill pool at all is fine
+    two = [w("d1", "decode", running=1), w("d2", "decode"), w("d3", "decode")]
+    assert pick_local(two, {"d1": 21, "d2": 20, "d3": 20}, 340, 23, 16, 256) == ("d1", 336)
+    assert plan_route(two, {"d2": 20, "d3": 20}, 340, 24, 16) == Route(decode="d2", cached_tokens=320, local=True)
+    assert pick_local(two, {}, 340, 23, 16, 256) is None
+
+
 def test_plan_route_falls_back_to_colocated_without_a_pair() -> None:
     colo = w("c1", "colocated", free=50)
     assert plan_route([w("d1", "decode"), colo], {}, 100, 10, 16) == Route(decode="c1")
@@ -148,6 +180,9 @@ def test_plan_route_falls_back_to_colocated_without_a_pair() -> None:
 def test_route_workers() -> None:
     assert Route(decode="d1", prefill="p1").workers == {"d1", "p1"}
     assert Route(decode="c1").workers == {"c1"}
+    assert Route(decode="d1", local=True).workers == {"d1"}
+    with pytest.raises(ValueError):
+        Route(decode="d1", prefill="p1", local=True)
 
 
 def test_retry_exclusions_strictest_first() -> None:
@@ -160,3 +195,5 @@ def test_retry_exclusions_strictest_first() -> None:
 def test_policy_validation() -> None:
     with pytest.raises(ValueError):
         RoutingPolicy(colocate_below_tokens=-1)
+    with pytest.raises(ValueError):
+        RoutingPolicy(local_below_tokens=-1)
