@@ -29,7 +29,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     c = Cluster.connect(
-        ClusterConfig(namespace="itest", engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1))
+        # 640 blocks of 16: an 8K-token prompt fits
+        ClusterConfig(namespace="itest", engine=EngineConfig(dtype="fp32", num_blocks=640, num_threads=1))
     )
     try:
         c.wait_ready(240)
@@ -170,4 +171,18 @@ def test_next_turn_runs_on_the_decode_worker_that_wrote_the_answer(cluster: Clus
     assert placement.cached_tokens == len(hashes) * bs
     assert placement.transfer_bytes == 0
     assert tokens_of(second) == engine_fp32.generate([turn2], GREEDY)[0].token_ids
+    cluster.check_integrity()
+
+
+def test_an_8k_token_prompt_completes_on_pd(cluster: Cluster, engine_fp32: Engine) -> None:
+    """No fixed deadline stands in the way of a long prompt: the reservation's lease follows the
+    prefill's estimate and every chunk renews it, the push's deadlines follow its progress."""
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    ids = tok.encode("The history of the lighthouse keeper and the sea. " * 800)[:8000]
+    outs = list(cluster.generate(ids, SamplingParams(max_tokens=4, temperature=0)))
+    placement = outs[0].placement
+    assert placement is not None and placement.prefill_worker != placement.decode_worker
+    assert placement.transfer_bytes > 0
+    assert tokens_of(outs) == [378, 1463, 282, 260]  # the engine alone, fp32 (measured once: 64 s)
     cluster.check_integrity()
