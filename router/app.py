@@ -55,11 +55,11 @@ class RequestIdMiddleware:
         token = errors.REQUEST_ID.set(rid)
         try:
             await self.app(scope, receive, send_with_id)
-        except Exception:
+        except Exception as e:
             log.exception("request %s failed with an unhandled error", rid)
             if started:
                 raise  # too late for an error answer: the server drops the connection
-            await errors.internal_error().response()(scope, receive, send_with_id)
+            await errors.internal_error(e).response()(scope, receive, send_with_id)
         finally:
             errors.REQUEST_ID.reset(token)
 

@@ -13,7 +13,7 @@ no worker up / workers failing (after retries)               503 + Retry-After
 cluster state store (Redis) unavailable                      503 + Retry-After
 
 A 5xx message never carries an exception's name, text or traceback: those go to the log,
-under the request's `x-request-id`, and the client gets a short fixed sentence.
+under the request's `x-request-id`, and the client gets a short sentence from `client_message`.
 """
 
 from __future__ import annotations
@@ -54,6 +54,53 @@ _TYPES = {
 }
 
 
+_WORKER_GONE = frozenset({"WorkerDiedError", "RayActorError", "ActorDiedError", "ActorUnavailableError",
+                          "WorkerCrashedError", "NodeDiedError", "OwnerDiedError", "ObjectLostError"})  # fmt: skip
+# The sentence a 5xx answer gives for an exception whose class (or a base of it: Ray's
+# RayTaskError(Cause) included) has one of these names; the first match wins.
+_SENTENCES: tuple[tuple[frozenset[str], str], ...] = (
+    (frozenset({"GetTimeoutError", "TimeoutError"}), "the workers did not answer in time; retry later"),
+    (_WORKER_GONE, "a worker stopped while serving this request; retry later"),
+    (frozenset({"WorkerDraining"}), "the worker is draining; retry later"),
+    (frozenset({"KVTransferError"}), "moving the prompt's KV cache between workers failed; retry later"),
+    (frozenset({"StreamEndedError"}), "the worker's token stream ended before the request finished; retry later"),
+)
+WORKERS_FAILED = "the workers could not complete this request; retry later"
+NO_WORKER = "no worker is up with room for this request; retry later"
+STATE_DOWN = "cluster state store unavailable (Redis is not answering); retry later"
+INTERNAL = "internal server error; the server log has the details under this response's x-request-id"
+MAX_MESSAGE = 200
+_INTERNALS = ("Traceback", "ray::", 'File "')  # marks of a traceback or of Ray's task dump
+
+
+def client_message(exc: BaseException, default: str = WORKERS_FAILED) -> str:
+    """The message of a 5xx answer to `exc`: one line of at most MAX_MESSAGE characters, safe
+    to show. A sentence chosen by the exception's type, or `default`; only texts written for
+    clients (an APIError's, a NoWorkerError's) are passed on, and then only their first line,
+    unless they look like a traceback. The caller logs `exc` itself."""
+    if isinstance(exc, APIError):
+        return _one_line(exc.message, default)
+    if isinstance(exc, StarletteHTTPException):
+        return _one_line(str(exc.detail), default)
+    if isinstance(exc, STATE_OUTAGE):
+        return STATE_DOWN
+    names = {c.__name__ for c in type(exc).__mro__}
+    if "NoWorkerError" in names:  # Ray's RayTaskError(NoWorkerError) keeps the original as `cause`
+        cause = getattr(exc, "cause", None)
+        return _one_line(str(cause if isinstance(cause, BaseException) else exc), NO_WORKER)
+    return next((sentence for kinds, sentence in _SENTENCES if kinds & names), default)
+
+
+def _one_line(text: str, fallback: str) -> str:
+    lines = text.strip().splitlines()
+    if not lines or any(mark in text for mark in _INTERNALS):
+        return fallback
+    line = lines[0].strip()
+    if not line.isprintable():  # terminal escapes (Ray colours its dumps)
+        return fallback
+    return line if len(line) <= MAX_MESSAGE else line[: MAX_MESSAGE - 3].rstrip() + "..."
+
+
 class APIError(Exception):
     """An error answer; raise it anywhere in a handler."""
 
@@ -67,6 +114,8 @@ class APIError(Exception):
         type: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        if status >= 500:  # whoever builds one, a 5xx message is one safe line (see client_message)
+            message = _one_line(message, INTERNAL)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -104,16 +153,14 @@ class BodyTooLarge(StarletteHTTPException):
         return APIError(413, self.detail, code="request_too_large")
 
 
-def internal_error() -> APIError:
+def internal_error(e: BaseException) -> APIError:
     """The answer for an exception nothing else handled (the caller logs it)."""
-    message = "internal server error; the server log has the details under this response's x-request-id"
-    return APIError(500, message, code="internal_error")
+    return APIError(500, client_message(e, INTERNAL), code="internal_error")
 
 
 def state_unavailable(e: BaseException, retry_after_s: int) -> APIError:
     log.warning("request %s: cluster state store unavailable: %r", REQUEST_ID.get(), e)
-    message = "cluster state store unavailable (Redis is not answering); retry later"
-    return APIError(503, message, code="state_unavailable", headers={"Retry-After": str(retry_after_s)})
+    return APIError(503, client_message(e), code="state_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
 def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
@@ -129,12 +176,13 @@ def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
         return APIError(400, str(e), param=e.param)
     if isinstance(e, Saturated):
         return APIError(429, f"the server is at capacity: {e}; retry later", code="rate_limit_exceeded", headers=retry)
-    if isinstance(e, NoWorkerError):  # its messages are written for clients
-        return APIError(503, str(e), code="no_worker", headers=retry)
     if isinstance(e, STATE_OUTAGE):
         return state_unavailable(e, retry_after_s)
+    if isinstance(e, NoWorkerError):  # no traceback to log: routing found nothing
+        log.warning("request %s: no worker: %s", REQUEST_ID.get(), e)
+        return APIError(503, client_message(e), code="no_worker", headers=retry)
     log.error("request %s failed on the workers", REQUEST_ID.get(), exc_info=e)
-    return APIError(503, "the workers could not complete this request; retry later", code="worker_error", headers=retry)
+    return APIError(503, client_message(e), code="worker_error", headers=retry)
 
 
 def admin_error(e: BaseException, retry_after_s: int) -> APIError:
@@ -144,7 +192,7 @@ def admin_error(e: BaseException, retry_after_s: int) -> APIError:
     if isinstance(e, STATE_OUTAGE):
         return state_unavailable(e, retry_after_s)
     log.error("request %s: the admin call failed in the cluster", REQUEST_ID.get(), exc_info=e)
-    message = "the cluster could not carry out this admin call; retry later"
+    message = client_message(e, "the cluster could not carry out this admin call; retry later")
     return APIError(503, message, code="cluster_error", headers={"Retry-After": str(retry_after_s)})
 
 
@@ -187,6 +235,9 @@ def install(app: FastAPI, retry_after_s: int) -> None:
             return exc.api_error().response()
         if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body (not UTF-8...)
             return APIError(400, "we could not parse the JSON body of your request", code="invalid_json").response()
+        if exc.status_code >= 500:
+            log.error("request %s failed: %r", REQUEST_ID.get(), exc)
+            return APIError(exc.status_code, client_message(exc, INTERNAL), headers=exc.headers).response()
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     async def on_state_outage(_: Request, exc: Exception) -> Response:

@@ -1,0 +1,156 @@
+"""5xx answers carry one short safe line from router.errors.client_message, whole or streamed;
+the exception itself, traceback and all, goes to the server log."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import ray.exceptions
+from fastapi import HTTPException
+from fastapi.testclient import TestClient
+
+from cluster.cluster import NoWorkerError
+from cluster.outputs import StreamOutput
+from cluster.routing import Route
+from cluster.state import StateUnavailable
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from router.app import create_app
+from router.errors import INTERNAL, MAX_MESSAGE, NO_WORKER, STATE_DOWN, WORKERS_FAILED, APIError, client_message
+from router.settings import RouterSettings
+from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, events
+
+RAY_DUMP = (
+    "\x1b[36mray::PrefillWorker.prefill()\x1b[39m (pid=4242, ip=10.0.0.7)\n"
+    "Traceback (most recent call last):\n"
+    '  File "/work/main/cluster/request_run.py", line 88, in run\n'
+    "    first = stream.get(10)\n"
+    "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready."
+)
+TIMEOUT = "the workers did not answer in time; retry later"
+REQUEST = {"model": "fake-model", "messages": HELLO, "max_tokens": 6}
+
+
+def ray_task_error(cause: Exception) -> Exception:
+    """What a Ray task that raised `cause` raises in its caller: RayTaskError(Cause), a multi-line dump."""
+    try:
+        raise cause
+    except Exception as e:
+        dump = RAY_DUMP.split("\n", 1)[1]
+        error = ray.exceptions.RayTaskError("prefill", dump, e, proctitle="ray::Worker.prefill")  # type: ignore[no-untyped-call]
+        wrapped: Exception = error.as_instanceof_cause()  # type: ignore[no-untyped-call]
+        return wrapped
+
+
+def assert_safe(message: str) -> None:
+    assert message and "\n" not in message and len(message) <= MAX_MESSAGE
+    assert not any(leak in message for leak in ("Traceback", "ray::", "File ", "Error", "\x1b", "pid=")), message
+
+
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (RuntimeError(RAY_DUMP), WORKERS_FAILED),
+        (ray_task_error(ray.exceptions.GetTimeoutError("Get timed out")), TIMEOUT),
+        (ray.exceptions.GetTimeoutError(RAY_DUMP), TIMEOUT),
+        (ray_task_error(RuntimeError("boom")), WORKERS_FAILED),
+        (ray.exceptions.ActorDiedError(), "a worker stopped while serving this request; retry later"),
+        (StateUnavailable(f"redis://10.0.0.7:6379 refused\n{RAY_DUMP}"), STATE_DOWN),
+        (NoWorkerError("no prefill + decode pair is up"), "no prefill + decode pair is up"),  # written for clients
+        (NoWorkerError(f"no pair is up\n{RAY_DUMP}"), NO_WORKER),
+        (ray_task_error(NoWorkerError("no decode worker has room")), "no decode worker has room"),
+        (APIError(503, "first line\nsecond line"), "first line"),
+        (HTTPException(502, RAY_DUMP), WORKERS_FAILED),
+    ],
+)
+def test_client_message_is_one_safe_line(exc: Exception, message: str) -> None:
+    assert client_message(exc) == message
+    assert_safe(client_message(exc))
+
+
+def test_client_message_caps_length_and_keeps_the_callers_default() -> None:
+    long = client_message(NoWorkerError("no worker " * 100))
+    assert len(long) == MAX_MESSAGE and long.endswith("...")
+    assert client_message(KeyError("x"), INTERNAL) == INTERNAL
+    assert client_message(NoWorkerError("\x1b[31mno worker\x1b[39m")) == NO_WORKER
+    assert APIError(502, RAY_DUMP).message == INTERNAL and APIError(400, "a\nb").message == "a\nb"  # 5xx only
+
+
+@dataclass
+class FailingBackend(FakeBackend):
+    """A FakeBackend whose token streams raise `failure` after `fail_after` outputs."""
+
+    failure: Exception | None = None
+    fail_after: int = 0
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+    ) -> Iterator[StreamOutput]:
+        outputs = super().generate(prompt_ids, params, request_id, route)
+        try:
+            for i, out in enumerate(outputs):
+                if i == self.fail_after and self.failure is not None:
+                    raise self.failure
+                yield out
+        finally:
+            if isinstance(outputs, Generator):
+                outputs.close()
+
+
+@pytest.fixture
+def backend(smollm_tokenizer: Tokenizer) -> FailingBackend:
+    return FailingBackend(smollm_tokenizer, failure=ray_task_error(ray.exceptions.GetTimeoutError(RAY_DUMP)))
+
+
+def openai_error(body: Any, code: str | None) -> str:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+    message: str = err["message"]
+    assert_safe(message)
+    return message
+
+
+def test_a_ray_dump_before_the_first_token_is_a_503_with_one_line(
+    backend: FailingBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("ERROR", logger="tandem.router"):
+        r = client(backend, retry_after_s=2).post(CHAT, json=REQUEST, headers={"x-request-id": "dump-1"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert openai_error(r.json(), "worker_error") == TIMEOUT
+    logged = [rec.exc_info for rec in caplog.records if "dump-1" in rec.getMessage() and rec.exc_info]
+    assert logged and logged[0] and logged[0][1] is backend.failure  # the log has it whole, under the request id
+
+
+def test_a_failure_mid_stream_ends_with_the_same_safe_message(backend: FailingBackend) -> None:
+    backend.fail_after = 3
+    chunks = events(client(backend).post(CHAT, json={**REQUEST, "stream": True}).text)
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks[:-1]]
+    assert len([t for t in texts if t]) == 3  # the tokens before the failure were delivered
+    assert openai_error(chunks[-1], "worker_error") == TIMEOUT
+    backend.failure = RuntimeError(RAY_DUMP)
+    chunks = events(client(backend).post("/v1/completions", json={**REQUEST, "prompt": "hi", "stream": True}).text)
+    assert openai_error(chunks[-1], "worker_error") == WORKERS_FAILED
+    assert backend.closed == backend.started
+
+
+def test_a_no_worker_error_with_a_dump_is_a_503_without_it(backend: FailingBackend) -> None:
+    backend.control_error = NoWorkerError(f"no worker pair is up\n{RAY_DUMP}")
+    r = client(backend).post(CHAT, json=REQUEST)
+    assert r.status_code == 503 and openai_error(r.json(), "no_worker") == NO_WORKER
+    backend.control_error = ray_task_error(NoWorkerError("no decode worker has room"))
+    r = client(backend).post(CHAT, json=REQUEST)
+    assert openai_error(r.json(), "no_worker") == "no decode worker has room"
+
+
+def test_a_5xx_http_exception_keeps_its_text_out(backend: FailingBackend) -> None:
+    app = create_app(backend, RouterSettings())
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise HTTPException(500, RAY_DUMP)
+
+    r = TestClient(app).get("/boom")
+    assert r.status_code == 500 and openai_error(r.json(), None) == INTERNAL
