@@ -78,12 +78,13 @@ class EngineConfig:
 
     @property
     def weight_dtype(self) -> str:
-        """The dtype `auto` resolves to: bf16 where the CPU has bf16 hardware, else fp32."""
+        """The dtype, `auto` resolved for this CPU: bf16 where it has AMX, else int8 (fp32, or bf16
+        on AVX512-BF16, where torch lacks int8 kernels); see engine.linear.auto_dtype."""
         if self.dtype != "auto":
             return self.dtype
-        from engine.linear import cpu_has_bf16
+        from engine.linear import auto_dtype, cpu_flags, has_int8_kernels
 
-        return "bf16" if cpu_has_bf16() else "fp32"
+        return auto_dtype(cpu_flags(), has_int8_kernels())
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,6 +13,7 @@ Roles (EngineConfig.role):
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache import KVCacheManager
+from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
 from engine.model import LayerCallback, LlamaModel
 from engine.outputs import Completion, KVHandoff, RequestOutput
 from engine.paged_cache import PagedKVCache
@@ -32,6 +34,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -62,6 +66,9 @@ class Engine:
         """Load a GGUF file or HF directory with its tokenizer; an HF directory without
         tokenizer.json gets none (token ids only: the tiny test models)."""
         config = config or EngineConfig()
+        if config.dtype == "auto":
+            why = auto_dtype_reason(cpu_flags(), has_int8_kernels())
+            log.info("dtype auto -> %s (%s)", config.weight_dtype, why)
         model_config, weights = load_checkpoint(path)
         model = LlamaModel(model_config, weights, config.torch_dtype, int8=config.weight_dtype == "int8")
         p = Path(path)
