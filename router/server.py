@@ -8,9 +8,12 @@ them instead. Ctrl-C or SIGTERM stops the router, then everything this command s
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -26,13 +29,19 @@ Tandem is serving {model} at {url}
 Press Ctrl-C to stop."""
 
 
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
     ap.add_argument("--model", default=env("TANDEM_MODEL", ""), help="GGUF file or HF dir (default: bundled SmolLM2)")
     ap.add_argument("--served-model-name", default="", help="the `model` clients send (default: from the file)")
     ap.add_argument("--host", default=env("TANDEM_HOST", "127.0.0.1"))
-    ap.add_argument("--port", type=int, default=int(env("TANDEM_PORT", "8000")))
+    ap.add_argument("--port", type=_port, default=env("TANDEM_PORT", "8000"))  # a str default goes through type
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
     ap.add_argument("--decode", type=int, default=1, help="decode workers")
     ap.add_argument(
@@ -66,6 +75,42 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-tls-key", default=env("TANDEM_KV_TLS_KEY"), help="PEM private key of --kv-tls-cert")
     ap.add_argument("--kv-tls-ca", default=env("TANDEM_KV_TLS_CA"), help="PEM CA: verify peers (mutual TLS)")
     return ap.parse_args(argv)
+
+
+class PortUnavailable(Exception):
+    """The router's host:port cannot be bound: a socket listens on it, the host is not local, ..."""
+
+    def __init__(self, host: str, port: int, error: OSError) -> None:
+        self.host, self.port, self.errno = host, port, error.errno
+        reason, where = error.strerror or str(error), host or "all interfaces"
+        if error.errno == errno.EADDRINUSE:
+            super().__init__(f"port {port} on {where} is taken ({reason}); pick another with --port")
+        else:
+            super().__init__(f"cannot listen on port {port} on {where} ({reason}); check --host and --port")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port the way uvicorn will (asyncio's create_server), then let it go.
+    Raises PortUnavailable.
+
+    Every address the host resolves to is bound with SO_REUSEADDR on POSIX, as asyncio does:
+    a port left in TIME_WAIT by a server that just stopped counts as free, and only one that a
+    socket listens on counts as taken."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this host lacks (IPv6 off): asyncio skips it too
+                continue
+            with sock:
+                if os.name == "posix" and sys.platform != "cygwin":
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+    except OSError as e:
+        raise PortUnavailable(host, port, e) from e
 
 
 def _progress(cluster: Any, done: threading.Event, started: float) -> None:
@@ -114,6 +159,10 @@ def _kv_tls(args: argparse.Namespace) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    try:  # before Ray, Redis or a worker starts: a taken port is not worth minutes of startup
+        check_port_free(args.host, args.port)
+    except PortUnavailable as e:
+        raise SystemExit(f"tandem serve: {e}") from None
     if args.join:
         os.environ.setdefault("RAY_ADDRESS", "auto")
     from cluster.cluster import Cluster, ClusterConfig
@@ -145,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         kv_tls=_kv_tls(args),
     )
     started = time.monotonic()
+    dtype = f"auto -> {config.engine.weight_dtype}" if args.dtype == "auto" else args.dtype  # as on this host
     print(
         f"tandem: starting {prefill} prefill, {decode} decode, {args.colocated} colocated worker(s) "
-        f"({args.dtype}, KV over {args.transport}) ...",
+        f"({dtype}, KV over {args.transport}) ...",
         flush=True,
     )
     cluster = Cluster.connect(config)
