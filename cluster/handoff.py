@@ -151,11 +151,21 @@ class Attempt:
             yield from self._disaggregated(self.prefill)
 
     def _disaggregated(self, prefill: Any) -> Iterator[TokenOutput]:
+        """Reserve on the decode worker and prefill in one hop: the prefill call takes the
+        reservation's ref, which Ray hands it once the decode worker has answered. The first
+        token goes to the caller as soon as the prefill returns it, while the decode worker
+        admits the request; its stream then starts at the second token."""
         rid, route = self.request_id, self.route
         live = Liveness({route.decode: self.decode, str(route.prefill): prefill}, self.waits)
-        reservation = self._await(self.decode.reserve.remote(rid, len(self.prompt), self.lease_s), live, route.decode)
+        reservation = self.decode.reserve.remote(rid, len(self.prompt), self.lease_s)
         self.stage = Stage.RESERVED
-        result: PrefillResult = self._await(prefill.prefill.remote(rid, self.prompt, self.params, reservation), live)
+        try:
+            ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation)
+            result: PrefillResult = self._await(ref, live)
+        except AttemptFailed as e:
+            if e.suspect is None and ray.wait([reservation], timeout=0)[0]:
+                self._get(reservation, route.decode)  # blame the decode side when its reservation failed
+            raise
         self.stage = Stage.PREFILLED
         self.ledger.prefilled(rid, len(self.prompt) - result.cached_tokens, result.prefill_s)
         times = (result.queue_s, result.prefill_s, result.transfer_s)
@@ -169,13 +179,14 @@ class Attempt:
             rid, self.prompt, result.first.token_ids[0], self.params, self.waits.transfer_s
         )
         self.stage = Stage.STREAMING
-        first = True
-        for out in self._stream(gen, route.decode):
-            if first and result.first.logprobs:  # the decode side emits the first token without its logprob
-                merged = (*result.first.logprobs, *out.logprobs)[: len(out.token_ids)]
-                out = dataclasses.replace(out, logprobs=merged)
-            first = False
-            yield out
+        yield result.first
+        outs = self._stream(gen, route.decode)
+        again = next(outs)  # the decode side's emission of the same first token: already sent
+        if again.token_ids != result.first.token_ids:
+            raise AttemptFailed(f"worker {route.decode} admitted {again.token_ids}, not {result.first.token_ids}")
+        if again.finished:
+            yield dataclasses.replace(again, token_ids=(), text="", logprobs=())
+        yield from outs
 
     def _colocated(self) -> Iterator[TokenOutput]:
         t0 = time.monotonic()

@@ -78,17 +78,19 @@ def make_pair(
     lease_s: float = 5.0,
     *,
     max_chunk_bytes: int | None = None,
+    min_message_bytes: int = 1,
     server_kw: Mapping[str, Any] | None = None,
     **prefill_kw: object,
 ) -> Pair:
     """Tiny prefill and decode engines (256 blocks of 4 tokens each), a KV server on loopback
-    with the test cluster secret; `server_kw` go to KVTransferServer."""
+    with the test cluster secret; `server_kw` go to KVTransferServer. `min_message_bytes`: the
+    streamer's (default: a message a layer, as long prompts send)."""
     decode = make_engine(model, num_blocks=256, role="decode")
     prefill = make_engine(model, num_blocks=256, role="prefill", **prefill_kw)
     lock = threading.RLock()
     receiver = KVReceiver(decode, lock, lease_s=lease_s, max_chunk_bytes=max_chunk_bytes)
     server = KVTransferServer(receiver, secret=SECRET, **(server_kw or {})).start()
-    return Pair(prefill, decode, receiver, server, LayerStreamer(prefill), lock)
+    return Pair(prefill, decode, receiver, server, LayerStreamer(prefill, min_message_bytes), lock)
 
 
 class StalledPeer:

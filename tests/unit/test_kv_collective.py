@@ -184,7 +184,7 @@ def prefill_and_push(
 
 def test_prefill_to_decode_is_bit_identical_and_decodes_the_same(decode: Decode, tiny_model: LlamaModel) -> None:
     prefill = make_engine(tiny_model, num_blocks=NUM_BLOCKS, role="prefill", max_num_batched_tokens=8)
-    streamer = LayerStreamer(prefill)
+    streamer = LayerStreamer(prefill, min_message_bytes=1)  # a message a layer
     for seed, n in ((1, 5), (2, 37)):
         rng = random.Random(seed)
         prompt = [rng.randrange(TINY.vocab_size) for _ in range(n)]

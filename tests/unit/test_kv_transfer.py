@@ -16,7 +16,7 @@ from kv_transfer.errors import ChunkRejected, KVTransferError
 from kv_transfer.wire import checksum, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.kv_harness import Pair, make_pair, wait_for
-from tests.unit.tiny import make_engine
+from tests.unit.tiny import TINY, make_engine
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -225,3 +225,25 @@ def test_no_free_blocks_is_a_typed_error(pair: Pair) -> None:
     with pytest.raises(KVTransferError, match="no free blocks"):
         client.reserve("c", 100)
     client.close()
+
+
+def test_small_layers_go_several_to_a_message_bit_identical(tiny_model: LlamaModel) -> None:
+    """A short prompt's layers are small: the streamer sends them together, at least
+    min_message_bytes a message (the last message takes what is left)."""
+    for min_bytes, chunks in ((1, TINY.num_layers), (10**9, 1)):
+        pair = make_pair(tiny_model, min_message_bytes=min_bytes)
+        try:
+            prompt = prompt_of(9, 7)
+            first, res, src = pair.transfer(pair.client(), "short", prompt, GREEDY)
+            stats = pair.receiver.wait("short", 2.0)
+            assert stats.chunks == chunks
+            assert torch.equal(pair.decode.cache.read_blocks(list(res.block_ids)), src)
+            pair.receiver.admit("short", prompt, first.new_token_ids[0], GREEDY)
+            assert (
+                decode_all(pair, "short")
+                == make_engine(tiny_model, num_blocks=64).generate([prompt], GREEDY)[0].token_ids
+            )
+            pair.receiver.check_integrity()
+            pair.prefill.check_integrity()
+        finally:
+            pair.close()
