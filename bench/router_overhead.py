@@ -1,8 +1,14 @@
-"""`tandem bench router`: latency the HTTP router adds over calling `cluster.Cluster` directly.
+"""`tandem bench router`: latency the HTTP router adds over calling `cluster.Cluster` directly,
+and the fixed cost of disaggregation at idle.
 
-Both paths run the same requests (a short prompt, max_tokens=1) at the same concurrency
-on one 1P+1D cluster, interleaved round by round so drift hits both alike; the router is
-served by uvicorn in this process. Reports p50/p90 of each and the p50 difference.
+router overhead   the same requests (a short prompt, max_tokens=1) at the same concurrency on
+                  one 1P+1D cluster, through the router and directly, interleaved round by round
+                  so drift hits both alike; the router is served by uvicorn in this process.
+                  p50/p90 of each and the p50 difference.
+fixed cost        one request at a time, a ~40-token chat prompt: TTFT on the P/D route minus
+                  TTFT on a colocated worker of the same cluster (same engine config), p50, with
+                  the P/D route's breakdown (prefill worker, transfer commit, the rest). Each
+                  prompt is new, so no route hits a prefix cache.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from bench.harness import exit_on_sigterm, running_cluster, serving, unique_namespace
+from bench.harness import exit_on_sigterm, running_cluster, serving, unique_namespace, wait_pools
 from cluster.cluster import Cluster, ClusterConfig
+from cluster.outputs import Placement
+from cluster.routing import Route
 from engine.config import EngineConfig
 from engine.model_files import default_model_path
 from engine.sampling_params import SamplingParams
@@ -71,19 +79,59 @@ def measure(cluster: Cluster, url: str, concurrency: int, rounds: int) -> dict[s
     }
 
 
+def fixed_cost(cluster: Cluster, rounds: int) -> dict[str, float]:
+    """P/D minus colocated TTFT at idle, interleaved, after two warm-up rounds (see the docstring)."""
+    wait_pools(cluster, colocated=1)
+    tok = Tokenizer.load(default_model_path())
+    roles = {w["role"]: w["worker_id"] for w in cluster.workers() if w["state"] == "up"}
+    routes = {"pd": Route(roles["decode"], roles["prefill"]), "colocated": Route(roles["colocated"])}
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    ttft: dict[str, list[float]] = {k: [] for k in routes}
+    parts: list[Placement] = []
+    for i in range(rounds + 2):
+        for name, route in routes.items():
+            text = f"Request {i} on {name}: name one colour of the rainbow."
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+            t = time.perf_counter()
+            outs = iter(cluster.generate(ids, params, route=route))
+            first = next(outs)
+            elapsed = time.perf_counter() - t
+            for _ in outs:
+                pass
+            if i >= 2:
+                ttft[name].append(elapsed)
+                if first.placement is not None and name == "pd":
+                    parts.append(first.placement)
+    pd, colo = statistics.median(ttft["pd"]), statistics.median(ttft["colocated"])
+    prefill = statistics.median(p.queue_s + p.prefill_s for p in parts)
+    commit = statistics.median(p.transfer_s for p in parts)
+    return {
+        "pd_ttft_p50_ms": 1000 * pd,
+        "colocated_ttft_p50_ms": 1000 * colo,
+        "pd_fixed_cost_ms": 1000 * (pd - colo),
+        "pd_prefill_worker_p50_ms": 1000 * prefill,
+        "pd_transfer_commit_p50_ms": 1000 * commit,
+        "pd_rest_p50_ms": 1000 * (pd - prefill - commit),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench router", description=__doc__)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--fixed-rounds", type=int, default=20, help="idle requests per route for the fixed cost")
+    ap.add_argument("--dtype", default="auto", help="the workers' dtype (default: auto)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     exit_on_sigterm()
     config = ClusterConfig(
         namespace=unique_namespace("router-bench"),
-        engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1),
+        engine=EngineConfig(dtype=args.dtype, num_blocks=256, num_threads=1),
     )
-    with running_cluster(config) as cluster, serving(cluster, max_running=args.concurrency * 2) as url:
-        res = measure(cluster, url, args.concurrency, args.rounds)
+    with running_cluster(config) as cluster:
+        with serving(cluster, max_running=args.concurrency * 2) as url:
+            res = measure(cluster, url, args.concurrency, args.rounds)
+        res.update(fixed_cost(cluster, args.fixed_rounds))
     if args.json:
         print(json.dumps({k: round(v, 3) for k, v in res.items()}))
     else:
@@ -92,4 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'cluster.Cluster directly':<28}{res['direct_p50_ms']:>10.1f}{res['direct_p90_ms']:>10.1f}")
         print(f"{'HTTP router':<28}{res['router_p50_ms']:>10.1f}{res['router_p90_ms']:>10.1f}")
         print(f"router adds {res['router_overhead_p50_ms']:.1f} ms at p50")
+        print(f"fixed cost of P/D at idle ({args.fixed_rounds} requests a route, one at a time):")
+        print(f"  TTFT p50: P/D {res['pd_ttft_p50_ms']:.1f} ms, colocated {res['colocated_ttft_p50_ms']:.1f} ms: "
+              f"P/D costs {res['pd_fixed_cost_ms']:.1f} ms more (target <= 10)")  # fmt: skip
+        print(f"  P/D TTFT p50s: prefill worker {res['pd_prefill_worker_p50_ms']:.1f}, transfer commit "
+              f"{res['pd_transfer_commit_p50_ms']:.1f}, calls {res['pd_rest_p50_ms']:.1f} ms")  # fmt: skip
     return 0

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 # The server's per-request timing (router.dispatch.Trace.timing). first_decode_s: transfer done to
-# the first token back at the router, a part of P/D TTFT that none of the others covers.
-BREAKDOWN = ("queue_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s")
+# the first token back at the router, a part of P/D TTFT that none of the others covers; route_s:
+# the router's own routing (the prefix index) and failed attempts. All but decode_s sum to TTFT.
+BREAKDOWN = ("queue_s", "route_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s")
 
 
 @dataclass
@@ -33,6 +34,7 @@ class RequestResult:
     timing: dict[str, Any] | None = None  # the server's own breakdown, when it sends one
     conv: int = -1
     turn: int = 0
+    cls: str = ""  # the request's class (bench.workloads.Mix.classes)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -65,6 +67,16 @@ class SLO:
         return SLO(None if self.ttft_s is None else self.ttft_s * k, None if self.tpot_s is None else self.tpot_s * k)
 
 
+@dataclass(frozen=True)
+class ClassSLO:
+    """One SLO per request class: each request is held to its own class's (by RequestResult.cls)."""
+
+    by_class: Mapping[str, SLO]
+
+    def met(self, r: RequestResult) -> bool:
+        return self.by_class[r.cls].met(r)
+
+
 def percentile(xs: Sequence[float], p: float) -> float:
     """The p-th percentile (0..100), interpolating linearly between order statistics (numpy's default)."""
     if not xs:
@@ -84,11 +96,11 @@ def distribution(xs: Iterable[float]) -> dict[str, float] | None:
     return {"mean": sum(v) / len(v), **{f"p{p}": percentile(v, p) for p in (50, 90, 99)}}
 
 
-def attainment(results: Sequence[RequestResult], slo: SLO) -> float:
+def attainment(results: Sequence[RequestResult], slo: SLO | ClassSLO) -> float:
     return sum(slo.met(r) for r in results) / len(results) if results else 0.0
 
 
-def goodput(results: Sequence[RequestResult], slo: SLO, duration_s: float) -> float:
+def goodput(results: Sequence[RequestResult], slo: SLO | ClassSLO, duration_s: float) -> float:
     return sum(slo.met(r) for r in results) / duration_s if duration_s > 0 else 0.0
 
 

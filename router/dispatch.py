@@ -61,17 +61,21 @@ class Trace:
     recorded: bool = False
 
     def timing(self) -> dict[str, Any]:
-        """queue (router + worker), prefill, transfer, first decode (transfer done to first token
-        back here), decode (first to last token), plus TTFT, E2E and where it ran."""
+        """queue (router + worker), route, prefill, transfer, first decode (transfer done to first
+        token back here), decode (first to last token), plus TTFT, E2E and where it ran. The parts
+        up to first decode sum to the TTFT."""
         p = self.placement or Placement("", "")
         worker_queue, prefill, transfer = p.queue_s, p.prefill_s, p.transfer_s
         end = self.t_last or time.monotonic()
         first = self.t_first or end
+        dispatch = self.t_dispatch or first
         out = {
             "queue_s": self.router_queue_s + worker_queue,
+            # admission to the last attempt's dispatch: routing (the prefix index), failed attempts
+            "route_s": max(0.0, dispatch - self.t_arrival - self.router_queue_s),
             "prefill_s": prefill,
             "transfer_s": transfer,
-            "first_decode_s": max(0.0, first - (self.t_dispatch or first) - worker_queue - prefill - transfer),
+            "first_decode_s": max(0.0, first - dispatch - worker_queue - prefill - transfer),
             "decode_s": end - first,
             "ttft_s": first - self.t_arrival,
             "e2e_s": end - self.t_arrival,

@@ -40,7 +40,7 @@ def test_bench_serve_smoke(url: str, tmp_path: Path, capsys: pytest.CaptureFixtu
         assert run["requests"] == run["completed"] == 4 and run["failed"] == 0
         assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p50"] and run["tpot_s"]["p50"] > 0
         assert run["slo_attainment"] == 1.0 and run["goodput_rps"] > 0 and run["output_tok_s"] > 0
-        assert set(run["breakdown"]) == {"queue_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s"}
+        assert set(run["breakdown"]) == {"queue_s", "route_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s"}
         assert run["breakdown"]["prefill_s"]["mean"] > 0 and run["prefix_hit_rate"] is not None
     lines = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert len(lines) == 8 and all(r["ok"] for r in lines)

@@ -195,6 +195,9 @@ def test_conditional_disaggregation_runs_a_short_prompt_colocated(url: str, mode
     pd = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     pd_timing = json.loads(pd.headers["x-tandem-timing"])
     assert pd_timing["prefill_worker"] != pd_timing["decode_worker"] and pd_timing["transfer_bytes"] > 0
+    # the breakdown accounts for the whole TTFT: every part is there, none is negative
+    parts = [pd_timing[k] for k in ("queue_s", "route_s", "prefill_s", "transfer_s", "first_decode_s")]
+    assert min(parts) >= 0 and abs(sum(parts) - pd_timing["ttft_s"]) < 0.002, pd_timing
     assert httpx.post(f"{url}/admin/pools/colocated", json={"replicas": 1}, headers=ADMIN).status_code == 200
     until(lambda: up(url, "colocated") == 1, 180, "a colocated worker")
     colo = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
