@@ -55,7 +55,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=["auto", "bf16", "fp32", "fp16", "int8"])
     ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm"])
     ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: all cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0: this host's cores split among its workers; with --join, all cores)",
+    )
     ap.add_argument("--namespace", default=env("TANDEM_NAMESPACE", "default"))
     ap.add_argument(
         "--admin-token", default=env("TANDEM_ADMIN_TOKEN", ""), help="enables /admin (or TANDEM_ADMIN_TOKEN)"
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.cluster import Cluster, ClusterConfig
     from cluster.routing import RoutingPolicy
     from engine.config import EngineConfig
+    from engine.torch_threads import threads_per_worker
     from router.app import create_app
     from router.backend import ClusterBackend
 
@@ -183,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         **({"admin_token": args.admin_token} if args.admin_token else {}),
     )
     prefill, decode = (0, 0) if args.colocated else (args.prefill, args.decode)
+    threads = args.threads
+    if not threads and not args.join and "RAY_ADDRESS" not in os.environ:  # every worker on this host
+        threads = threads_per_worker(os.cpu_count() or 1, prefill + decode + args.colocated)
     config = ClusterConfig(
         model_path=args.model,
         namespace=args.namespace,
         prefill=prefill,
         decode=decode,
         colocated=args.colocated,
-        engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=args.threads or None),
+        engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=threads or None),
         transport=args.transport,
         kv_tls=_kv_tls(args),
     )
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = f"auto -> {config.engine.weight_dtype}" if args.dtype == "auto" else args.dtype  # as on this host
     print(
         f"tandem: starting {prefill} prefill, {decode} decode, {args.colocated} colocated worker(s) "
-        f"({dtype}, KV over {args.transport}) ...",
+        f"({dtype}, {f'{threads} threads each' if threads else 'all cores each'}, KV over {args.transport}) ...",
         flush=True,
     )
     cluster = Cluster.connect(config)

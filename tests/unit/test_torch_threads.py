@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine.torch_threads import on_spent_thread
+from engine.torch_threads import on_spent_thread, threads_per_worker
 
 
 def test_returns_the_result_from_a_thread_that_has_exited() -> None:
@@ -26,3 +26,11 @@ def test_reraises_what_the_function_raised() -> None:
 
     with pytest.raises(ValueError, match="no model here"):
         on_spent_thread(boom)
+
+
+def test_workers_on_one_host_split_its_cores() -> None:
+    assert threads_per_worker(2, 2) == 1  # 1P+1D on 2 cores
+    assert threads_per_worker(2, 1) == 2  # one colocated worker takes both
+    assert threads_per_worker(16, 3) == 5
+    assert threads_per_worker(2, 5) == 1  # never 0
+    assert threads_per_worker(8, 0) == 8
