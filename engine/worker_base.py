@@ -20,6 +20,8 @@ from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from engine.torch_threads import on_spent_thread
 
+# How long stats() waits for the engine lock before it answers with the last figures it read.
+STATS_WAIT_S = 0.05
 # A call's last output is on its way to the caller when the call returns: idle() waits this long
 # after the last one so that a drain never ends (and kills) a worker under an output in flight.
 IDLE_SETTLE_S = 0.5
@@ -39,6 +41,7 @@ class WorkerBase:
         # built off this thread, so that the loop's thread holds the process's only OpenMP team
         self.engine = on_spent_thread(lambda: Engine.from_path(model_path, config))
         self.loop = EngineLoop(self.engine).start()
+        self._last_stats: dict[str, Any] = {"worker_id": worker_id, "role": self.role, "pid": os.getpid()}
         self.draining = False
         self._calls = 0
         self._calls_lock = threading.Lock()
@@ -98,23 +101,27 @@ class WorkerBase:
         return events
 
     def stats(self) -> dict[str, Any]:
-        def read(e: Engine) -> dict[str, Any]:
-            return {
+        """Load and KV figures, read under the engine lock when it comes within STATS_WAIT_S;
+        otherwise (a long prefill step holds it) the last figures read, marked `stale`. A
+        heartbeat never waits out a step: a worker busy for seconds is busy, not gone."""
+        live = {"draining": self.draining, "steps": self.loop.steps, "load_s": self.load_s}
+        if not self.loop.lock.acquire(timeout=STATS_WAIT_S):
+            return {**self._last_stats, **live, "stale": True}
+        try:
+            e = self.engine
+            self._last_stats = {
                 "worker_id": self.worker_id,
                 "role": self.role,
                 "pid": os.getpid(),
-                "draining": self.draining,
                 "running": len(e.scheduler.running),
                 "waiting": e.scheduler.num_waiting,
                 "free_blocks": e.kv.num_free_blocks,
                 "num_blocks": e.config.num_blocks,
                 "kv_usage": e.kv.usage,
-                "steps": self.loop.steps,
-                "load_s": self.load_s,
             }
-
-        result: dict[str, Any] = self.loop.call(read)
-        return result
+        finally:
+            self.loop.lock.release()
+        return {**self._last_stats, **live}
 
     def check_integrity(self) -> None:
         self.loop.check_integrity()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +212,22 @@ def test_kv_over_tls_between_workers(
     finally:
         for w in (p, d, plain):
             w.shutdown()
+
+
+def test_stats_answer_at_once_while_a_step_holds_the_engine(
+    workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker],
+) -> None:
+    """A heartbeat must not wait out a long step: stats() gives the last figures, marked stale."""
+    w = workers[0]
+    fresh = w.stats()
+    assert "stale" not in fresh and fresh["free_blocks"] > 0
+    out: list[dict[str, Any]] = []
+    with w.loop.lock:  # what a multi-second prefill step does to everyone else
+        t = time.monotonic()
+        reader = threading.Thread(target=lambda: out.append(w.stats()))
+        reader.start()
+        reader.join(5)
+        assert time.monotonic() - t < 1.0
+    assert out[0]["stale"] is True and out[0]["free_blocks"] == fresh["free_blocks"]
+    assert out[0]["worker_id"] == fresh["worker_id"] == "p0"
+    assert "stale" not in w.stats()
