@@ -22,6 +22,7 @@ BENCHES = {
     "prefix": "bench.prefix_bench",
     "router": "bench.router_overhead",
     "chaos": "bench.chaos",
+    "efficiency": "bench.efficiency",
 }
 
 
@@ -41,7 +42,7 @@ def _admin(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
-    "bench": (_bench, "benchmarks: engine, transfer, serve, compare, prefix, router, chaos"),
+    "bench": (_bench, "benchmarks: " + ", ".join(BENCHES)),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
 }
 
