@@ -5,10 +5,15 @@ Each system is a real cluster (Ray workers, KV transfer) behind the real router,
     colocated  1 worker x 2 threads, or 2 workers x 1 thread (full mode tries both, keeps the better)
     P/D        1 prefill + 1 decode worker, 1 thread each
 
-Both see the same prompts at the same Poisson rates. SLOs follow DistServe: k x the unloaded
-median TTFT and TPOT, the lower of the systems' (k = --slo-scale, 4 by default). A system's goodput
-is the highest rate at which >= 90% of requests meet both SLOs (see bench.stats.max_rate_meeting),
-on a prefill-heavy mix (long prompts, short answers) and a decode-heavy one (chat, long answers).
+Every system gets the same cores (workers x threads; a Plan checks it) and sees the same prompts
+at the same Poisson rates, on three mixes: prefill-heavy (long prompts, short answers),
+decode-heavy (chat, long answers) and interference (1 request in 4 a 2K-token prompt, the rest
+short chats with 128-token answers).
+
+SLOs are per request class (a mix has one class, or several: bench.workloads.Mix.classes):
+TTFT_SCALE x and TPOT_SCALE x the class's median TTFT and TPOT sent alone to colocated serving
+(the lower of the colocated systems'). A system's goodput is the highest rate at which >= 90% of
+requests meet their own class's SLO (see bench.stats.max_rate_meeting).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,7 +38,7 @@ from bench.harness import (
     unique_namespace,
 )
 from bench.loadgen import Target, first_model
-from bench.stats import SLO, max_rate_meeting, summarize
+from bench.stats import SLO, ClassSLO, goodput, max_rate_meeting, summarize
 from bench.sweep import Point, Unloaded, probe, sweep
 from bench.workloads import MIXES, LengthDist, Mix
 from cluster.cluster import ClusterConfig
@@ -40,6 +46,14 @@ from engine.config import EngineConfig
 
 TARGET = 0.9
 REQUEST_TIMEOUT_S = 180.0  # a request still unanswered by then counts as failed
+# SLO = scale x the class's latency alone on colocated serving. TTFT 5x leaves room to queue behind
+# a few requests of the same size (on 2 cores a short chat's ~0.07 s becomes ~0.35 s, a 2K prompt's
+# ~4 s ~20 s). TPOT 2x leaves room to batch (an engine step at batch 8 takes ~1.5-2x one at batch 1
+# here) and is ~40 ms here, MLPerf's interactive bound; it has no room for decodes that stall behind
+# another request's prefill: the interference disaggregation removes.
+TTFT_SCALE = 5.0
+TPOT_SCALE = 2.0
+MIX_SEED_STRIDE = 1000  # mix k draws with seed + k x this: no mix's prompts are a cached prefix of another's
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,10 @@ class System:
     @property
     def pd(self) -> bool:
         return self.prefill > 0
+
+    @property
+    def cores(self) -> int:
+        return (self.prefill + self.decode + self.colocated) * self.threads
 
 
 COLOCATED_1X2 = System("colocated 1x2t", 0, 0, 1, 2)
@@ -71,8 +89,12 @@ class Plan:
     factors: tuple[float, ...]  # sweep rates, as multiples of 1 / (unloaded E2E) of the first system
     requests: int  # per rate, at most
     max_seconds: float  # of sending per rate, at most
-    probe_requests: int
+    probe_requests: int  # per request class
     num_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        if len({s.cores for s in self.systems}) != 1:
+            raise ValueError(f"systems must have equal cores: {[(s.name, s.cores) for s in self.systems]}")
 
 
 FULL = Plan(
@@ -82,8 +104,9 @@ FULL = Plan(
         "decode_heavy": replace(
             _CHAT, name="chat-long", input=LengthDist(64, 0.5, 16, 256), output=LengthDist(160, 0.3, 96, 320)
         ),
+        "interference": MIXES["interference"],
     },
-    factors=tuple(0.5 * 1.5**i for i in range(9)),
+    factors=tuple(0.25 * 1.5**i for i in range(11)),
     requests=32,
     max_seconds=90.0,
     probe_requests=5,
@@ -95,22 +118,45 @@ QUICK = Plan(
         "decode_heavy": replace(
             _CHAT, name="chat-long", input=LengthDist(48, 0.5, 16, 128), output=LengthDist(48, 0.3, 24, 96)
         ),
+        "interference": MIXES["interference"],  # unscaled: a 2K prompt is what makes the interference
     },
-    factors=(0.5, 1.0, 2.0, 4.0),
+    factors=(0.25, 0.5, 1.0, 2.0, 4.0),
     requests=8,
     max_seconds=12.0,
     probe_requests=3,
     num_blocks=512,
 )
 
-Measured = dict[str, dict[str, tuple[Unloaded, list[Point]]]]  # system -> mix -> (unloaded, sweep)
+
+@dataclass(frozen=True)
+class MixRun:
+    """One system on one mix: each request class sent alone, then the sweep."""
+
+    unloaded: dict[str, Unloaded]  # class -> medians
+    points: list[Point]
+
+
+Measured = dict[str, dict[str, MixRun]]  # system -> mix -> run
+
+
+def class_slo(alone: Sequence[Mapping[str, Unloaded]], ttft_scale: float, tpot_scale: float) -> ClassSLO:
+    """Per class: the scales x the lowest median TTFT / TPOT over `alone` (one mapping per system)."""
+    return ClassSLO({
+        c: SLO(ttft_scale * min(u[c].ttft_s for u in alone), tpot_scale * min(u[c].tpot_s for u in alone))
+        for c in alone[0]
+    })  # fmt: skip
+
+
+def base_rate(mix: Mix, alone: Mapping[str, Unloaded]) -> float:
+    """Requests per second one at a time: 1 / the mean unloaded E2E over the mix's classes."""
+    return 1.0 / sum(share * alone[shape.name].e2e_s for share, shape in mix.classes)
 
 
 def run_system(
-    system: System, plan: Plan, base: dict[str, float], k: float, seed: int, progress: bool
-) -> dict[str, tuple[Unloaded, list[Point]]]:
-    """Start `system`, probe and sweep every mix, shut it down. `base` (req/s per mix) is set by
-    the first system and reused, so every system sees the same rates."""
+    system: System, plan: Plan, base: dict[str, float], scales: tuple[float, float], seed: int, progress: bool
+) -> dict[str, MixRun]:
+    """Start `system`, probe each class and sweep every mix, shut it down. `base` (req/s per mix)
+    is set by the first system and reused, so every system sees the same rates."""
     config = ClusterConfig(
         namespace=unique_namespace("bench-compare"),
         prefill=system.prefill,
@@ -118,56 +164,66 @@ def run_system(
         colocated=system.colocated,
         engine=EngineConfig(num_blocks=plan.num_blocks, num_threads=system.threads),
     )
-    out: dict[str, tuple[Unloaded, list[Point]]] = {}
+    out: dict[str, MixRun] = {}
     with running_cluster(config) as cluster, serving(cluster) as url:
         target = Target(url, asyncio.run(first_model(url)), timeout_s=REQUEST_TIMEOUT_S)
         for name, mix in plan.mixes.items():
-            print(f"[{system.name}] {name}: unloaded latency", file=sys.stderr)
-            unloaded = probe(target, mix, plan.probe_requests, seed, warmup=2, progress=progress)
-            base.setdefault(name, 1.0 / unloaded.e2e_s)
+            mix_seed = seed + MIX_SEED_STRIDE * list(FULL.mixes).index(name)
+            alone: dict[str, Unloaded] = {}
+            for _, shape in mix.classes:
+                print(f"[{system.name}] {name}: {shape.name} alone", file=sys.stderr)
+                alone[shape.name] = probe(target, shape, plan.probe_requests, mix_seed, warmup=2, progress=progress)
+            base.setdefault(name, base_rate(mix, alone))
             rates = [base[name] * f for f in plan.factors]
             print(f"[{system.name}] {name}: sweep {', '.join(f'{r:.3g}' for r in rates)} req/s", file=sys.stderr)
-            points = sweep(
-                target, mix, rates, unloaded.slo.scaled(k), plan.requests, plan.max_seconds, seed, progress=progress
-            )
-            out[name] = (unloaded, points)
+            stop = class_slo([alone], *scales)  # provisional: the final SLOs come from every colocated system
+            points = sweep(target, mix, rates, stop, plan.requests, plan.max_seconds, mix_seed, progress=progress)
+            out[name] = MixRun(alone, points)
     return out
 
 
-def evaluate(measured: Measured, plan: Plan, k: float) -> dict[str, Any]:
-    """The report: per mix, the SLO, each system's curve and goodput, P/D against the better colocated."""
+def evaluate(measured: Measured, plan: Plan, scales: tuple[float, float]) -> dict[str, Any]:
+    """The report: per mix, the SLOs, each system's curve and goodput, P/D against the better colocated."""
+    colocated = [s.name for s in plan.systems if not s.pd and s.name in measured]
+    pd = next(s.name for s in plan.systems if s.pd)
     res: dict[str, Any] = {}
     for name, mix in plan.mixes.items():
         runs = {s: m[name] for s, m in measured.items()}
-        ref = SLO(min(u.ttft_s for u, _ in runs.values()), min(u.tpot_s for u, _ in runs.values()))
-        slo = ref.scaled(k)
-        systems: dict[str, Any] = {}
-        for s, (unloaded, points) in runs.items():
-            curve = [(p.rate, p.attainment(slo)) for p in points]
-            systems[s] = {
-                "unloaded": {"ttft_s": unloaded.ttft_s, "tpot_s": unloaded.tpot_s, "e2e_s": unloaded.e2e_s},
-                "goodput_rps": max_rate_meeting(curve, TARGET),
-                "points": [
-                    {"rate": p.rate, "attainment": a, **_brief(summarize(p.results, p.duration_s, slo))}
-                    for p, (_, a) in zip(points, curve, strict=True)
-                ],
-            }
-        colo = max(
-            (s for s in plan.systems if not s.pd and s.name in systems), key=lambda s: systems[s.name]["goodput_rps"]
-        )
-        pd = next(s for s in plan.systems if s.pd)
-        c, p = systems[colo.name]["goodput_rps"], systems[pd.name]["goodput_rps"]
+        slo = class_slo([runs[s].unloaded for s in colocated], *scales)
+        systems = {s: _system_report(run, slo) for s, run in runs.items()}
+        colo = max(colocated, key=lambda s: systems[s]["goodput_rps"])
+        c, p = systems[colo]["goodput_rps"], systems[pd]["goodput_rps"]
         res[name] = {
             "pd_goodput_rps": p,
             "colocated_goodput_rps": c,
             "goodput_ratio": p / c if c > 0 else None,
-            "colocated_system": colo.name,
-            "slo": {"scale": k, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "target": TARGET,
-                    "reference": "k x the lowest unloaded median over the systems"},
-            "workload": {"mix": mix.name, "input": vars(mix.input), "output": vars(mix.output)},
+            "colocated_system": colo,
+            "slo": {"ttft_scale": scales[0], "tpot_scale": scales[1], "target": TARGET,
+                    "reference": "scale x the class's median sent alone, the lowest over the colocated systems",
+                    "classes": {k: {"ttft_s": v.ttft_s, "tpot_s": v.tpot_s} for k, v in slo.by_class.items()}},
+            "workload": {"mix": mix.name, "classes": {
+                shape.name: {"share": share, "input": vars(shape.input), "output": vars(shape.output)}
+                for share, shape in mix.classes}},
             "systems": systems,
         }  # fmt: skip
     return res
+
+
+def _system_report(run: MixRun, slo: ClassSLO) -> dict[str, Any]:
+    curve = [(p.rate, p.attainment(slo)) for p in run.points]
+    points = []
+    for p, (_, a) in zip(run.points, curve, strict=True):
+        classes = {c: summarize([r for r in p.results if r.cls == c], p.duration_s, s) for c, s in slo.by_class.items()}
+        points.append({
+            "rate": p.rate, "attainment": a, "goodput_rps": goodput(p.results, slo, p.duration_s),
+            **_brief(summarize(p.results, p.duration_s, SLO())),  # counts and latencies; the SLOs are per class
+            "classes": {c: {"attainment": s["slo_attainment"], **_brief(s)} for c, s in classes.items()},
+        })  # fmt: skip
+    return {
+        "unloaded": {c: vars(u) for c, u in run.unloaded.items()},
+        "goodput_rps": max_rate_meeting(curve, TARGET),
+        "points": points,
+    }
 
 
 def _brief(s: dict[str, Any]) -> dict[str, Any]:
@@ -185,27 +241,35 @@ def write_plots(res: dict[str, Any], measured: Measured, out: Path) -> list[str]
     }
     files = [plots.attainment_vs_rate(panels, out / "compare_attainment.png", TARGET, "SLO attainment vs rate")]
     for name, r in res.items():
-        # CDFs at the highest shared rate at which either system still meets the target
+        # CDFs at the highest shared rate at which either system still meets the target, one plot per class
         best = max(r["pd_goodput_rps"], r["colocated_goodput_rps"])
-        shared = sorted({p.rate for p in measured[next(iter(measured))][name][1]})
+        shared = sorted({p.rate for p in measured[next(iter(measured))][name].points})
         rate = max([x for x in shared if x <= best] or shared[:1])
-        series = {s: next(p.results for p in m[name][1] if p.rate == rate) for s, m in measured.items()
-                  if any(p.rate == rate for p in m[name][1])}  # fmt: skip
-        slo = SLO(r["slo"]["ttft_s"], r["slo"]["tpot_s"])
-        files.append(plots.latency_cdfs(series, out / f"compare_cdf_{name}.png", slo, f"{name} at {rate:.3g} req/s"))
+        series = {s: next(p.results for p in m[name].points if p.rate == rate) for s, m in measured.items()
+                  if any(p.rate == rate for p in m[name].points)}  # fmt: skip
+        classes = r["slo"]["classes"]
+        for c, bound in classes.items():
+            tag, title = (name, name) if len(classes) == 1 else (f"{name}_{c}", f"{name}, {c}")
+            files.append(plots.latency_cdfs(
+                {s: [x for x in rs if x.cls == c] for s, rs in series.items()}, out / f"compare_cdf_{tag}.png",
+                SLO(bound["ttft_s"], bound["tpot_s"]), f"{title} at {rate:.3g} req/s"))  # fmt: skip
     return [str(f) for f in files]
 
 
-def print_report(res: dict[str, Any]) -> None:
+def print_report(res: dict[str, Any], meta: dict[str, Any]) -> None:
+    cores = ", ".join(f"{s['name']} {s['cores']}" for s in meta["systems"])
+    print(f"equal cores on every system (workers x threads): {cores}")
     for name, r in res.items():
-        slo = r["slo"]
-        print(f"{name} ({r['workload']['mix']}): SLO TTFT {slo['ttft_s']:.3f} s, TPOT {slo['tpot_s']:.4f} s "
-              f"(k = {slo['scale']:g} x best unloaded), target {slo['target']:.0%}")  # fmt: skip
+        slo, shares = r["slo"], r["workload"]["classes"]
+        print(f"{name} ({r['workload']['mix']}): >= {slo['target']:.0%} of requests within their class's SLO "
+              f"= TTFT {slo['ttft_scale']:g}x, TPOT {slo['tpot_scale']:g}x the class alone on colocated")  # fmt: skip
+        for c, b in slo["classes"].items():
+            print(f"  {c} ({shares[c]['share']:.0%}): SLO TTFT {b['ttft_s']:.3f} s, TPOT {b['tpot_s']:.4f} s")
         for s, v in r["systems"].items():
-            u = v["unloaded"]
+            alone = "; ".join(f"{c} {x['ttft_s']:.3f} / {x['tpot_s']:.4f} s" for c, x in v["unloaded"].items())
             curve = " ".join(f"{p['rate']:.3g}:{p['attainment']:.0%}" for p in v["points"])
-            print(f"  {s:<16} unloaded TTFT {u['ttft_s']:.3f} s TPOT {u['tpot_s']:.4f} s"
-                  f"  goodput {v['goodput_rps']:.3f} req/s   rate:attainment {curve}")  # fmt: skip
+            print(f"  {s:<16} alone, TTFT / TPOT: {alone}")
+            print(f"  {'':<16} goodput {v['goodput_rps']:.3f} req/s   rate:attainment {curve}")
         ratio = r["goodput_ratio"]
         print(f"  P/D / colocated ({r['colocated_system']}) goodput: " + ("-" if ratio is None else f"{ratio:.2f}x"))
 
@@ -213,7 +277,9 @@ def print_report(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke check: shorter lengths, fewer rates, one colocated")
-    ap.add_argument("--slo-scale", type=float, default=4.0, help="k: SLO = k x the best unloaded TTFT / TPOT")
+    ap.add_argument("--mix", action="append", choices=list(FULL.mixes), help="only this mix (repeatable; default all)")
+    ap.add_argument("--ttft-scale", type=float, default=TTFT_SCALE, help="TTFT SLO = this x the class alone")
+    ap.add_argument("--tpot-scale", type=float, default=TPOT_SCALE, help="TPOT SLO = this x the class alone")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
@@ -226,14 +292,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     exit_on_sigterm()
     plan = QUICK if args.quick else FULL
+    if args.mix:
+        plan = replace(plan, mixes={k: m for k, m in plan.mixes.items() if k in args.mix})
+    scales = (args.ttft_scale, args.tpot_scale)
     t0 = time.monotonic()
     base: dict[str, float] = {}
     measured: Measured = {
-        s.name: run_system(s, plan, base, args.slo_scale, args.seed, not args.no_progress) for s in plan.systems
+        s.name: run_system(s, plan, base, scales, args.seed, not args.no_progress) for s in plan.systems
     }
-    res = evaluate(measured, plan, args.slo_scale)
-    meta = {"quick": args.quick, "seed": args.seed, "elapsed_s": time.monotonic() - t0,
-            "systems": [vars(s) for s in plan.systems], "base_rps": base}  # fmt: skip
+    res = evaluate(measured, plan, scales)
+    meta = {"quick": args.quick, "seed": args.seed, "elapsed_s": time.monotonic() - t0, "cores": plan.systems[0].cores,
+            "systems": [{**vars(s), "cores": s.cores} for s in plan.systems], "base_rps": base}  # fmt: skip
     files: list[str] = []
     if args.out:
         out = Path(args.out)
@@ -243,6 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({**res, "meta": meta, "files": files}))
     else:
-        print_report(res)
+        print_report(res, meta)
         print(f"took {meta['elapsed_s']:.0f} s" + (f"; wrote {', '.join(files)}" if files else ""))
     return 0

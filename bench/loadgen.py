@@ -73,7 +73,7 @@ async def first_model(url: str, api_key: str | None = None) -> str:
 async def send(client: httpx.AsyncClient, target: Target, item: WorkItem, t0: float) -> RequestResult:
     """One streamed request, timed. Never raises for a failed request: it comes back with ok False."""
     start = time.perf_counter()
-    res = RequestResult(ok=False, start=start - t0, conv=item.conv, turn=item.turn)
+    res = RequestResult(ok=False, start=start - t0, conv=item.conv, turn=item.turn, cls=item.cls)
     try:
         async with asyncio.timeout(target.timeout_s):
             await _stream(client, target, item, res, start)
@@ -114,6 +114,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, item: WorkItem, res
                 if text:
                     first = first or time.perf_counter()
                     chunks += 1
+                    res.text += text
             usage = msg.get("usage") or usage
             if isinstance(msg.get("tandem"), dict) and "timing" in msg["tandem"]:
                 res.timing = msg["tandem"]["timing"]
@@ -162,6 +163,7 @@ async def run_load(
         raise ValueError("give exactly one of rate and concurrency")
     done: dict[tuple[int, int], asyncio.Event] = {(i.conv, i.turn): asyncio.Event() for i in items if i.conv >= 0}
     results: list[RequestResult] = []
+    answers: dict[tuple[int, int], str] = {}  # a conversation's next turn repeats the answers given
     bar = tqdm(total=len(items), desc=desc, file=sys.stderr, disable=not progress, leave=False)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     t0 = time.perf_counter()
@@ -175,9 +177,13 @@ async def run_load(
         async def one(item: WorkItem) -> None:
             if item.turn > 0 and (prev := done.get((item.conv, item.turn - 1))) is not None:
                 await prev.wait()
+                item = item.answered([answers.get((item.conv, t), "") for t in range(item.turn)])
             try:
                 if not late():
-                    results.append(await send(client, target, item, t0))
+                    res = await send(client, target, item, t0)
+                    results.append(res)
+                    if item.conv >= 0:
+                        answers[(item.conv, item.turn)] = res.text
                     bar.update(1)
             finally:
                 if item.conv >= 0:

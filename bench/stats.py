@@ -35,6 +35,7 @@ class RequestResult:
     conv: int = -1
     turn: int = 0
     cls: str = ""  # the request's class (bench.workloads.Mix.classes)
+    text: str = ""  # the answer, as streamed (a conversation's next turn repeats it)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -3,8 +3,9 @@
     probe:  warm-up, then requests one at a time -> median TTFT / TPOT / E2E with no queueing
     sweep:  Poisson load at base x f0, base x f0 x step, ... until attainment collapses
 
-SLOs are chosen after every system has been probed (DistServe style: k x the best unloaded
-latency), so a sweep keeps every request and only uses a provisional SLO to know when to stop.
+SLOs are chosen after every system has been probed (DistServe style: k x the unloaded latency
+of each request class), so a sweep keeps every request and only uses a provisional SLO to know
+when to stop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 
 from bench.loadgen import Target, run_load
-from bench.stats import SLO, RequestResult, attainment
+from bench.stats import SLO, ClassSLO, RequestResult, attainment
 from bench.workloads import Mix, make_items
 
 PROBE_SALT = 10_000  # probe text shares nothing with the sweep's
@@ -40,7 +41,7 @@ class Point:
     results: list[RequestResult]
     duration_s: float
 
-    def attainment(self, slo: SLO) -> float:
+    def attainment(self, slo: SLO | ClassSLO) -> float:
         return attainment(self.results, slo)
 
 
@@ -62,7 +63,7 @@ def sweep(
     target: Target,
     mix: Mix,
     rates: list[float],
-    stop: SLO,
+    stop: SLO | ClassSLO,
     requests: int,
     max_seconds: float,
     seed: int,

@@ -4,7 +4,8 @@ Lengths are in content tokens. The text is drawn from 100 English words that are
 each in the bundled model's BPE vocabulary (and in most GPT-2 style ones), so n words ~ n tokens;
 the chat template adds a few more, and reports count what the server's `usage` says.
 
-    multiturn: a conversation's turn k is sent after turn k-1 has finished, and repeats its history:
+    multiturn: a conversation's turn k is sent after turn k-1 has finished, and repeats its history
+    with the answers the server gave (as a chat client does; bench.loadgen fills them in):
 
     turn 0   [system][user 0]
     turn 1   [system][user 0][assistant 0][user 1]          <- turn 0's prompt is a prefix
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,12 @@ class LengthDist:
 class Mix:
     """A named workload shape. `input` is the new user text per request (per turn in a
     conversation); `turns` (lo, hi) > 1 makes conversations; `system` tokens of system prompt,
-    one per workload, shared by every request."""
+    one per workload, shared by every request.
+
+    Every request carries a class: the name of the shape it was drawn from. `mixed_in` puts
+    other single-turn shapes (share, Mix) into a single-turn mix: of n requests, share x n
+    (rounded) have that mix's shape, in seeded random order, and the rest have this one's,
+    whose class is `cls` (default: the mix's name)."""
 
     name: str
     description: str
@@ -65,11 +72,33 @@ class Mix:
     output: LengthDist
     turns: tuple[int, int] = (1, 1)
     system: int = 0
+    cls: str = ""
+    mixed_in: tuple[tuple[float, Mix], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.mixed_in:
+            return
+        shares = [s for s, _ in self.mixed_in]
+        if min(shares) <= 0 or sum(shares) >= 1:
+            raise ValueError(f"{self.name}: mixed-in shares must be > 0 and sum to < 1, got {shares}")
+        if self.turns != (1, 1) or any(m.turns != (1, 1) or m.system or m.mixed_in for _, m in self.mixed_in):
+            raise ValueError(f"{self.name}: only single-turn mixes mix, with no system prompt of their own")
+
+    @property
+    def classes(self) -> tuple[tuple[float, Mix], ...]:
+        """(share, shape) of each request class, this mix's own first; each shape is a plain
+        mix named after its class (what to send to measure that class alone)."""
+        own = replace(self, name=self.cls or self.name, cls="", mixed_in=())
+        return ((1.0 - sum(s for s, _ in self.mixed_in), own), *self.mixed_in)
 
     def scaled(self, input: float = 1.0, output: float = 1.0) -> Mix:
         """The same shape with lengths times `input` / `output` (to fit a slower machine)."""
         return replace(
-            self, input=self.input.scaled(input), output=self.output.scaled(output), system=round(self.system * input)
+            self,
+            input=self.input.scaled(input),
+            output=self.output.scaled(output),
+            system=round(self.system * input),
+            mixed_in=tuple((s, m.scaled(input, output)) for s, m in self.mixed_in),
         )
 
 
@@ -84,6 +113,11 @@ MIXES: dict[str, Mix] = {
             LengthDist(400, 0.5, 96, 1200), LengthDist(40, 0.5, 8, 128)),
         Mix("multiturn", "conversations of 3-6 turns, each repeating its history (shared, growing prefixes)",
             LengthDist(80, 0.6, 16, 256), LengthDist(80, 0.5, 16, 256), turns=(3, 6), system=96),
+        Mix("interference", "1 request in 4 has a 2K-token prompt (short answer), the rest are short chats with "
+            "128-token answers: a long prefill stalls the chats' decodes when they share an engine",
+            LengthDist(64, 0.4, 24, 160), LengthDist(128, 0.0, 128, 128), cls="chat",
+            mixed_in=((0.25, Mix("long-prompt", "a 2K-token document, a short answer",
+                                 LengthDist(2048, 0.03, 1920, 2176), LengthDist(24, 0.25, 16, 32))),)),
     )
 }  # fmt: skip
 
@@ -99,6 +133,7 @@ class WorkItem:
     conv: int = -1
     turn: int = 0
     new_tokens: int = 0  # the nominal length of this request's new input text
+    cls: str = ""  # its request class (Mix.classes)
 
     @property
     def chat(self) -> bool:
@@ -106,6 +141,14 @@ class WorkItem:
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages]
+
+    def answered(self, answers: Sequence[str]) -> WorkItem:
+        """This turn with its history's assistant messages replaced by `answers` (the server's
+        answers to the earlier turns, in order), as a client sends them; an empty answer (a turn
+        that failed) keeps the stand-in text."""
+        it = iter(answers)
+        msgs = tuple((r, (next(it, "") or c) if r == "assistant" else c) for r, c in self.messages)
+        return replace(self, messages=msgs)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -122,9 +165,9 @@ def make_items(mix: Mix, n: int, seed: int = 0, salt: int = 0, active: int = 8) 
     system = (("system", words(text, mix.system)),) if mix.system else ()
     if mix.turns == (1, 1):
         out = []
-        for _ in range(n):
-            k, m = mix.input.sample(lengths), mix.output.sample(lengths)
-            out.append(WorkItem(m, (*system, ("user", words(text, k))), new_tokens=k))
+        for shape in _class_order(mix, n, lengths):
+            k, m = shape.input.sample(lengths), shape.output.sample(lengths)
+            out.append(WorkItem(m, (*system, ("user", words(text, k))), new_tokens=k, cls=shape.name))
         return out
     convs: list[list[WorkItem]] = []
     total = 0
@@ -133,7 +176,7 @@ def make_items(mix: Mix, n: int, seed: int = 0, salt: int = 0, active: int = 8) 
         for turn in range(lengths.randint(*mix.turns)):
             k, m = mix.input.sample(lengths), mix.output.sample(lengths)
             history.append(("user", words(text, k)))
-            conv.append(WorkItem(m, tuple(history), conv=len(convs), turn=turn, new_tokens=k))
+            conv.append(WorkItem(m, tuple(history), conv=len(convs), turn=turn, new_tokens=k, cls=mix.cls or mix.name))
             history.append(("assistant", words(text, m)))  # stands in for the answer; its length is max_tokens
         convs.append(conv)
         total += len(conv)
@@ -142,6 +185,22 @@ def make_items(mix: Mix, n: int, seed: int = 0, salt: int = 0, active: int = 8) 
         min(users, key=len).extend(conv)
     order = [u[k] for k in range(max(map(len, users))) for u in users if k < len(u)]
     return order[:n]  # a cut keeps every kept turn's predecessors
+
+
+def _class_order(mix: Mix, n: int, rng: random.Random) -> list[Mix]:
+    """The shape of each of `n` single-turn requests: class i gets round(cum. share to i x n) -
+    round(cum. share before i x n) of them (exact shares, summing to n), shuffled by `rng`."""
+    if not mix.mixed_in:
+        return [mix] * n
+    order: list[Mix] = []
+    cum = 0.0
+    for share, shape in mix.classes:
+        start = round(cum * n)
+        cum += share
+        order += [shape] * (round(cum * n) - start)
+    order += [mix.classes[-1][1]] * (n - len(order))  # float sums that end just under 1
+    rng.shuffle(order)
+    return order
 
 
 def load_jsonl(path: str | Path, default_max_tokens: int = 128) -> list[WorkItem]:

@@ -68,8 +68,9 @@ def test_completions_without_usage_count_chunks() -> None:
         chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("x", "y")]
         return httpx.Response(200, content=sse(*chunks, "[DONE]"), headers={"x-tandem-timing": json.dumps(TIMING)})
 
-    r = asyncio.run(one(handler, WorkItem(2, prompt="once")))
+    r = asyncio.run(one(handler, WorkItem(2, prompt="once", cls="doc")))
     assert r.ok and r.output_tokens == 2 and r.prompt_tokens == 0 and r.timing == TIMING
+    assert r.cls == "doc"  # the request's class rides along, for per-class SLOs
 
 
 def test_errors_become_failed_results() -> None:
@@ -85,9 +86,9 @@ def test_errors_become_failed_results() -> None:
     async def stalls(_: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=chat_stream(["a", "b"], delay=0.2))
 
-    item = WorkItem(4, (("user", "hi"),))
+    item = WorkItem(4, (("user", "hi"),), cls="chat")
     r = asyncio.run(one(stalls, item, Target("http://bench.test", "m", timeout_s=0.1)))
-    assert not r.ok and r.error == "no complete answer within 0.1 s" and 0.1 <= r.e2e < 0.3
+    assert not r.ok and r.error == "no complete answer within 0.1 s" and 0.1 <= r.e2e < 0.3 and r.cls == "chat"
     r = asyncio.run(one(refuse, item))
     assert not r.ok and r.error.startswith("HTTP 429") and "busy" in r.error
     assert asyncio.run(one(midstream, item)).error == "worker died"
@@ -147,3 +148,28 @@ def test_arrivals() -> None:
     assert statistics.pstdev(gaps) == pytest.approx(0.2, rel=0.1)  # exponential: sd = mean
     with pytest.raises(ValueError):
         arrivals(3, 1.0, "bursty", 0)
+
+
+def test_a_next_turn_repeats_the_answers_the_server_gave() -> None:
+    item = WorkItem(8, (("system", "s"), ("user", "u0"), ("assistant", "a0"), ("user", "u1"), ("assistant", "a1"),
+                        ("user", "u2")), conv=3, turn=2)  # fmt: skip
+    got = item.answered(["real zero", ""])  # turn 1 failed: its stand-in stays
+    assert [c for _, c in got.messages] == ["s", "u0", "real zero", "u1", "a1", "u2"]
+    assert (got.conv, got.turn, got.max_tokens) == (3, 2, 8)
+
+
+def test_run_load_sends_each_turn_with_the_answers_before_it() -> None:
+    sent: list[list[str]] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        msgs = [m["content"] for m in json.loads(req.content)["messages"]]
+        sent.append(msgs)
+        return httpx.Response(200, content=chat_stream([f"answer{len(msgs)}", "!"]))
+
+    turns = [WorkItem(2, (("user", "u0"),), conv=0, turn=0),
+             WorkItem(2, (("user", "u0"), ("assistant", "stand-in"), ("user", "u1")), conv=0, turn=1)]  # fmt: skip
+    results, _ = asyncio.run(
+        run_load(TARGET, turns, concurrency=2, progress=False, transport=httpx.MockTransport(handler))
+    )
+    assert all(r.ok for r in results) and results[0].text == "answer1!"
+    assert sent == [["u0"], ["u0", "answer1!", "u1"]]

@@ -105,11 +105,14 @@ def test_mixes_are_seeded() -> None:
 def test_mixes_have_their_length_shapes(name: str) -> None:
     mix = MIXES[name]
     items = make_items(mix, 400, seed=0)
-    ins, outs = [i.new_tokens for i in items], [i.max_tokens for i in items]
-    assert mix.input.lo <= min(ins) and max(ins) <= mix.input.hi
-    assert mix.output.lo <= min(outs) and max(outs) <= mix.output.hi
-    assert statistics.median(ins) == pytest.approx(mix.input.median, rel=0.15)
-    assert statistics.median(outs) == pytest.approx(mix.output.median, rel=0.15)
+    for _, shape in mix.classes:
+        ins = [i.new_tokens for i in items if i.cls == shape.name]
+        outs = [i.max_tokens for i in items if i.cls == shape.name]
+        assert shape.input.lo <= min(ins) and max(ins) <= shape.input.hi
+        assert shape.output.lo <= min(outs) and max(outs) <= shape.output.hi
+        assert statistics.median(ins) == pytest.approx(shape.input.median, rel=0.15)
+        assert statistics.median(outs) == pytest.approx(shape.output.median, rel=0.15)
+    assert {i.cls for i in items} == {shape.name for _, shape in mix.classes}
     last = items[0].messages[-1]
     assert last[0] == "user" and len(last[1].split()) == items[0].new_tokens
     assert set(last[1].split()) <= set(WORDS)
