@@ -122,9 +122,11 @@ class RoutingPolicy:
     cached prefix) is shorter than this runs whole on a colocated worker, with no KV transfer,
     when one is up with room; 0 turns conditional disaggregation off.
 
-    local_below_tokens: a prompt whose uncached part on a decode worker (after its cached
-    prefix, longer than any prefill worker's) is shorter than this runs whole on that decode
-    worker; 0 turns the local route off. The bound is what the running streams there pay: the
+    local_below_tokens: a prompt whose uncached part on a decode worker is shorter than this
+    runs whole on that decode worker (0 turns the local route off) when that saves time: the
+    decode worker holds a longer prefix than the prefill pool (a conversation's next turn), or
+    the prefill worker it would go to has at least this many tokens queued (a short chat would
+    wait behind long prompts), or no prefill worker is up. The bound is what the running streams there pay: the
     rest is prefilled in the decode engine's steps, and 256 tokens (a chat message and its
     template) fit in one step of the default token budget (EngineConfig.max_num_batched_tokens,
     2048) and cost about as much compute as that many decode tokens, one stretched step for the
@@ -180,12 +182,13 @@ def pick_local(
     exclude: frozenset[str] = frozenset(),
 ) -> tuple[str, int] | None:
     """The decode worker with room (as `pick_decode`) holding the longest cached prefix of the
-    prompt, with fewer than `below_tokens` tokens left to prefill, and that prefix; ties go to
-    the fewest streams, then the most free blocks. None when no decode worker qualifies."""
+    prompt (none is fine), with fewer than `below_tokens` tokens left to prefill, and that
+    prefix; ties go to the fewest streams, then the most free blocks. None when no decode worker
+    qualifies."""
     best: tuple[tuple[int, int, int, str], str, int] | None = None
     for w in decode_with_room(workers, blocks_needed, exclude):
         cached = min(cached_blocks.get(w.worker_id, 0) * block_size, prompt_tokens)
-        if cached == 0 or prompt_tokens - cached >= below_tokens:
+        if prompt_tokens - cached >= below_tokens:
             continue
         key = (-cached, w.streams, -w.free, w.worker_id)
         if best is None or key < best[0]:
@@ -203,24 +206,30 @@ def plan_route(
     exclude: frozenset[str] = frozenset(),
 ) -> Route | None:
     """Decode (capacity) and prefill (cached prefix, then queue) for one request; or the whole
-    request on a decode worker that holds more of the prompt than the prefill pool, when the rest
-    is short (local); or on a colocated worker when the uncached part is short or no P/D pair is
-    available. `cached_blocks`: the prefix index's answer for prefill and decode workers.
+    request on a decode worker, when what it lacks of the prompt is short and it holds more of it
+    than the prefill pool or the prefill worker is busy (local, see RoutingPolicy); or on a
+    colocated worker when the uncached part is short or no P/D pair is available; or local when
+    nothing else is. `cached_blocks`: the prefix index's answer for prefill and decode workers.
     None: nowhere to run."""
     policy = policy or RoutingPolicy()
     blocks = -(-(prompt_tokens + max_tokens) // block_size)
     prefill = pick_prefill(workers, cached_blocks, prompt_tokens, block_size, exclude)
     cached = min(cached_blocks.get(prefill, 0) * block_size, prompt_tokens) if prefill is not None else 0
-    local = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, policy.local_below_tokens, exclude)
-    if local is not None and local[1] > cached:
-        return Route(decode=local[0], cached_tokens=local[1], local=True)
+    found = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, policy.local_below_tokens, exclude)
+    local = Route(decode=found[0], cached_tokens=found[1], local=True) if found is not None else None
+    if local is not None and prefill is not None:
+        queued = next(w.load.prefill_tokens for w in workers if w.worker_id == prefill)
+        if local.cached_tokens > cached or queued >= policy.local_below_tokens:
+            return local
     colocated = pick_colocated(workers, blocks, exclude)
     if colocated is not None and prompt_tokens - cached < policy.colocate_below_tokens:
         return Route(decode=colocated)
     decode = pick_decode(workers, blocks, exclude)
     if prefill is not None and decode is not None:
         return Route(decode=decode, prefill=prefill, cached_tokens=cached)
-    return Route(decode=colocated) if colocated is not None else None
+    if colocated is not None:
+        return Route(decode=colocated)
+    return local  # no prefill worker up: a short prompt still runs
 
 
 def retry_exclusions(failed: Sequence[Route]) -> list[frozenset[str]]:

@@ -145,7 +145,7 @@ def test_chat_template_and_tokenizer_failures_are_400(template: str, says: str) 
 
 
 def test_worker_failures_answer_503_without_internals(backend: FakeBackend, caplog: pytest.LogCaptureFixture) -> None:
-    backend.fail_before_first = {"p0"}
+    backend.fail_before_first = {"p0", "d0"}  # with p0 alone gone, d0 would serve it whole (local)
     c = client(backend, retry_after_s=3)
     req = {"model": "fake-model", "messages": HELLO, "max_tokens": 2}
     with caplog.at_level("ERROR", logger="tandem.router"):

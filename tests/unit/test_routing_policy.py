@@ -60,7 +60,7 @@ def test_a_burst_splits_evenly_over_decode_workers() -> None:
     ids = ["d1", "d2"]
     for i in range(32):  # no heartbeat arrives during the burst
         views = [w(d, "decode", load=ledger.load(d)) for d in ids] + [w("p1", "prefill", load=ledger.load("p1"))]
-        route = plan_route(views, {}, 40, 24, 16)
+        route = plan_route(views, {}, 40, 24, 16, RoutingPolicy(local_below_tokens=0))  # P/D only
         assert route is not None and route.prefill == "p1"
         ledger.begin(f"r{i}", route.decode, route.prefill, 4, 40)
         ledger.check_integrity()
@@ -197,3 +197,19 @@ def test_policy_validation() -> None:
         RoutingPolicy(colocate_below_tokens=-1)
     with pytest.raises(ValueError):
         RoutingPolicy(local_below_tokens=-1)
+
+
+def test_a_short_prompt_runs_local_when_the_prefill_worker_is_busy() -> None:
+    """A 40-token chat waits behind whatever the prefill worker has queued; from
+    local_below_tokens queued tokens on, it is prefilled on a decode worker instead."""
+    d1, d2 = w("d1", "decode", running=3), w("d2", "decode")
+    for queued, expected in ((0, Route("d2", "p1")), (255, Route("d2", "p1")), (256, Route("d2", local=True))):
+        p1 = w("p1", "prefill", load=WorkerLoad(prefill_tokens=queued))
+        assert plan_route([p1, d1, d2], {}, 40, 24, 16) == expected
+    busy = w("p1", "prefill", load=WorkerLoad(prefill_tokens=4096))
+    assert plan_route([busy, d1, d2], {}, 300, 24, 16) == Route("d2", "p1")  # too long to run local
+    assert plan_route([busy, d1, d2], {}, 40, 24, 16, RoutingPolicy(local_below_tokens=0)) == Route("d2", "p1")
+    # no prefill worker at all: a colocated worker first, else a short prompt runs local
+    assert plan_route([d1, d2, w("c1", "colocated")], {}, 40, 24, 16) == Route("c1")
+    assert plan_route([d1, d2], {}, 40, 24, 16) == Route("d2", local=True)
+    assert plan_route([d1, d2], {}, 400, 24, 16) is None
