@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 
 from bench.chaos_scenarios import SCENARIOS, Chaos, ScenarioResult
-from bench.harness import RouterUnavailableError, create_app_fn, exit_on_sigterm, running_cluster, serving
+from bench.harness import ready_to_serve, running_cluster, serving
 from bench.harness import unique_namespace as namespace
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
@@ -61,12 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"tandem bench chaos: unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}", file=sys.stderr)
         return 2
-    try:
-        create_app_fn()
-    except RouterUnavailableError as e:
-        print(f"tandem bench chaos: {e}", file=sys.stderr)
+    if not ready_to_serve("tandem bench chaos"):
         return 2
-    exit_on_sigterm()
     t0 = time.monotonic()
     results = run(names, args.quick, args.dtype)
     if args.json:

@@ -30,9 +30,7 @@ from typing import Any
 
 from bench import plots
 from bench.harness import (
-    RouterUnavailableError,
-    create_app_fn,
-    exit_on_sigterm,
+    ready_to_serve,
     running_cluster,
     serving,
     unique_namespace,
@@ -285,12 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    try:
-        create_app_fn()
-    except RouterUnavailableError as e:
-        print(f"tandem bench compare: {e}", file=sys.stderr)
+    if not ready_to_serve("tandem bench compare"):
         return 2
-    exit_on_sigterm()
     plan = QUICK if args.quick else FULL
     if args.mix:
         plan = replace(plan, mixes={k: m for k, m in plan.mixes.items() if k in args.mix})

@@ -49,9 +49,7 @@ from bench.efficiency_figures import (
     served_figures,
 )
 from bench.harness import (
-    RouterUnavailableError,
-    create_app_fn,
-    exit_on_sigterm,
+    ready_to_serve,
     running_cluster,
     serving,
     unique_namespace,
@@ -193,12 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 0 or args.num_blocks < 1:
         print("tandem bench efficiency: --threads must be >= 0 and --num-blocks >= 1", file=sys.stderr)
         return 2
-    try:
-        create_app_fn()
-    except RouterUnavailableError as e:
-        print(f"tandem bench efficiency: {e}", file=sys.stderr)
+    if not ready_to_serve("tandem bench efficiency"):
         return 2
-    exit_on_sigterm()
     t0 = time.monotonic()
     threads = {m: args.threads or threads_per_worker(os.cpu_count() or 1, sum(MODES[m])) for m in MODES}
     configs = {n: EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=n) for n in threads.values()}

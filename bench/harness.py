@@ -50,6 +50,18 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
+def ready_to_serve(prog: str) -> bool:
+    """A served benchmark's start: False (with a line on stderr) when the router cannot be
+    built; otherwise SIGTERM now unwinds like Ctrl-C (`exit_on_sigterm`)."""
+    try:
+        create_app_fn()
+    except RouterUnavailableError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return False
+    exit_on_sigterm()
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

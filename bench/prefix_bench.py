@@ -26,9 +26,7 @@ from typing import Any
 
 from bench import plots
 from bench.harness import (
-    RouterUnavailableError,
-    create_app_fn,
-    exit_on_sigterm,
+    ready_to_serve,
     running_cluster,
     serving,
     unique_namespace,
@@ -154,12 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/bench/prefix", help="directory for prefix.json and a TTFT CDF plot")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    try:
-        create_app_fn()
-    except RouterUnavailableError as e:
-        print(f"tandem bench prefix: {e}", file=sys.stderr)
+    if not ready_to_serve("tandem bench prefix"):
         return 2
-    exit_on_sigterm()
     plan = QUICK if args.quick else FULL
     t0 = time.monotonic()
     runs = measure(plan, args.seed, not args.no_progress)
