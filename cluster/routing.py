@@ -125,23 +125,30 @@ class RoutingPolicy:
     local_below_tokens: a prompt whose uncached part on a decode worker is shorter than this
     runs whole on that decode worker (0 turns the local route off) when that saves time: the
     decode worker holds a longer prefix than the prefill pool (a conversation's next turn), or
-    the prefill worker it would go to has at least this many tokens queued (a short chat would
-    wait behind long prompts), or no prefill worker is up. The bound is what the running streams there pay: the
-    rest is prefilled in the decode engine's steps, and 256 tokens (a chat message and its
-    template) fit in one step of the default token budget (EngineConfig.max_num_batched_tokens,
-    2048) and cost about as much compute as that many decode tokens, one stretched step for the
-    batch, where P/D would recompute the answer and move the whole history's KV. Keep it under
-    the decode engines' max_num_batched_tokens, so that it never takes more than one step.
+    the prefill worker it would go to has `busy_prefill_tokens` queued (a short chat would
+    wait behind long prompts), or no prefill worker is up. The bound is what the running
+    streams there pay: the rest is prefilled in the decode engine's steps, and 256 tokens (a
+    chat message and its template) fit in one step of the default token budget
+    (EngineConfig.max_num_batched_tokens, 2048) and cost about as much compute as that many
+    decode tokens, one stretched step for the batch, where P/D would recompute the answer and
+    move the whole history's KV. Keep it under the decode engines' max_num_batched_tokens, so
+    that it never takes more than one step.
+
+    busy_prefill_tokens: tokens queued on a prefill worker from which a short prompt runs local
+    instead: 1024 is about a second of waiting on one CPU core, against one stretched step for
+    the decode worker's streams. Lower, and a prefill-heavy load moves its prefills into the
+    decode steps and their TPOT (measured: 256 let 1 request in 8 miss a 2x TPOT SLO).
     """
 
     colocate_below_tokens: int = 0
     local_below_tokens: int = 256
+    busy_prefill_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.colocate_below_tokens < 0:
             raise ValueError("colocate_below_tokens must be >= 0")
-        if self.local_below_tokens < 0:
-            raise ValueError("local_below_tokens must be >= 0")
+        if self.local_below_tokens < 0 or self.busy_prefill_tokens < 0:
+            raise ValueError("local_below_tokens and busy_prefill_tokens must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ def plan_route(
     local = Route(decode=found[0], cached_tokens=found[1], local=True) if found is not None else None
     if local is not None and prefill is not None:
         queued = next(w.load.prefill_tokens for w in workers if w.worker_id == prefill)
-        if local.cached_tokens > cached or queued >= policy.local_below_tokens:
+        if local.cached_tokens > cached or queued >= policy.busy_prefill_tokens:
             return local
     colocated = pick_colocated(workers, blocks, exclude)
     if colocated is not None and prompt_tokens - cached < policy.colocate_below_tokens:

@@ -201,9 +201,9 @@ def test_policy_validation() -> None:
 
 def test_a_short_prompt_runs_local_when_the_prefill_worker_is_busy() -> None:
     """A 40-token chat waits behind whatever the prefill worker has queued; from
-    local_below_tokens queued tokens on, it is prefilled on a decode worker instead."""
+    busy_prefill_tokens queued tokens on, it is prefilled on a decode worker instead."""
     d1, d2 = w("d1", "decode", running=3), w("d2", "decode")
-    for queued, expected in ((0, Route("d2", "p1")), (255, Route("d2", "p1")), (256, Route("d2", local=True))):
+    for queued, expected in ((0, Route("d2", "p1")), (1023, Route("d2", "p1")), (1024, Route("d2", local=True))):
         p1 = w("p1", "prefill", load=WorkerLoad(prefill_tokens=queued))
         assert plan_route([p1, d1, d2], {}, 40, 24, 16) == expected
     busy = w("p1", "prefill", load=WorkerLoad(prefill_tokens=4096))
