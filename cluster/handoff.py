@@ -146,7 +146,7 @@ class Attempt:
         if self.route.local:
             yield from self._whole(self.decode.generate_local)
         elif self.prefill is None:
-            yield from self._colocated()
+            yield from self._whole(self.decode.generate)  # a colocated worker
         else:
             yield from self._disaggregated(self.prefill)
 
@@ -187,18 +187,6 @@ class Attempt:
         if again.finished:
             yield dataclasses.replace(again, token_ids=(), text="", logprobs=())
         yield from outs
-
-    def _colocated(self) -> Iterator[TokenOutput]:
-        t0 = time.monotonic()
-        gen = self.decode.generate.options(num_returns="streaming").remote(self.request_id, self.prompt, self.params)
-        self.stage = Stage.STREAMING
-        first = True
-        for out in self._stream(gen, self.route.decode):
-            if first:
-                worker = self.route.decode
-                self.placement = Placement(worker, worker, prefill_s=time.monotonic() - t0)
-                first = False
-            yield out
 
     def _whole(self, method: Any) -> Iterator[TokenOutput]:
         """The whole request on the route's one worker through `method`, a streaming actor method
