@@ -6,11 +6,13 @@ and what layer-wise P/D transfer adds to the time to first token.
                                  ──commit─────▶                    (admit + first decode step)
 
 Transfers time first send to commit returning; the per-layer gather out of the paged cache
-is inside that time, as it is in LayerStreamer. Every figure is the best of a few runs after
-a warm-up: the machine may be shared, and others' load only ever makes a run slower.
-The decode side runs in a spawned process with its own copy of the model, so the two sides
-do not share a GIL; `--receiver thread` puts it in this process on the same model object,
-to see what sharing costs. The collective transport (kv_transfer/collective.py, gloo on CPU)
+is inside that time (`KVPush.send_blocks`: on shm it gathers straight into shared memory).
+Each transport's GB/s is also a ratio to the memcpy measured in the same run (`--json`:
+`<transport>_over_memcpy` for 4K, `<transport>_over_memcpy_<size>`). Every figure is the
+best of a few runs after a warm-up: the machine may be shared, and others' load only ever
+makes a run slower. The decode side runs in a spawned process with its own copy of the model,
+so the two sides do not share a GIL; `--receiver thread` puts it in this process on the same
+model object, to see what sharing costs. The collective transport (kv_transfer/collective.py, gloo on CPU)
 is measured only where that module exists and connects; otherwise the output says why not.
 """
 
@@ -40,6 +42,10 @@ MB = 1 << 20
 SIZES = {"1k": 1024, "4k": 4096}
 TTFT_TOKENS = 2048
 TRANSPORTS = ("grpc", "shm", "collective")
+TTFT_KEYS = (
+    *("ttft_prefill_s", "ttft_commit_s", "ttft_decode_s", "ttft_queue_s"),
+    *("ttft_with_transfer_s", "ttft_prefill_only_s", "ttft_overhead_pct"),
+)
 # Decode after admission: the first token (sampled by prefill) plus one token of our own.
 
 
@@ -111,8 +117,8 @@ def transfer_s(client: KVTransferClient, source: Engine, blocks: list[int], rid:
         src, logical = torch.tensor(blocks), list(range(len(blocks)))
         t = time.perf_counter()
         for i in range(cache.num_layers):
-            # [1, 2, blocks, block_size, kv_heads, head_dim], gathered as LayerStreamer does
-            push.send(i, i + 1, logical, cache.kv[i].index_select(1, src).unsqueeze(0))
+            # kv[i : i + 1]: [1, 2, num_blocks, block_size, kv_heads, head_dim]; the push gathers `src`
+            push.send_blocks(i, i + 1, logical, cache.kv[i : i + 1], src)
         result = push.commit(n_tokens)
         dt = time.perf_counter() - t
     finally:
@@ -264,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--receiver", default="process", choices=["process", "thread"], help="decode side placement")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5, help="timed runs per transfer figure (TTFT: 3)")
+    ap.add_argument("--quick", action="store_true", help="smoke check: transfer figures only (no TTFT), 3 runs")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    runs = 3 if args.quick else args.runs
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if bad := sorted(set(transports) - set(TRANSPORTS)):
         ap.error(f"unknown transports {bad}; choose from {', '.join(TRANSPORTS)}")
@@ -281,18 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     ttft_transport = "grpc" if "grpc" in transports or "shm" not in transports else "shm"
     try:
         res: dict[str, float | None] = {"tcp_gbps": tcp_gbps(), "memcpy_gbps": memcpy_gbps()}
-        got, skipped = measure_transfers(source, decode, transports, args.runs)
-        res |= got | measure_ttft(source, decode, ttft_transport)
+        got, skipped = measure_transfers(source, decode, transports, runs)
+        res |= got | (dict.fromkeys(TTFT_KEYS) if args.quick else measure_ttft(source, decode, ttft_transport))
     finally:
         decode.close()
-    for t in TRANSPORTS:
-        res[f"{t}_gbps"] = res.setdefault(f"{t}_gbps_4k", None)
-        res.setdefault(f"{t}_gbps_1k", None)
+    res |= over_memcpy(res)
     meta = {
         "kv_dtype": str(source.cache.dtype).removeprefix("torch."),
         "threads": args.threads,
         "receiver": args.receiver,
-        "stat": f"best of {args.runs} (transfers), of 3 (TTFT)",
+        "stat": f"best of {runs} (transfers)" + ("" if args.quick else ", of 3 (TTFT)"),
         "ttft_transport": ttft_transport,
         "collective_skipped": skipped or None,
     }
@@ -301,6 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_table(res, meta)
     return 0
+
+
+def over_memcpy(res: dict[str, float | None]) -> dict[str, float | None]:
+    """Each transport's GB/s per size, the 4K figure unsuffixed, and each as a ratio to memcpy."""
+    out: dict[str, float | None] = {}
+    mem = res["memcpy_gbps"]
+    for t in TRANSPORTS:
+        for size in ("", *(f"_{s}" for s in SIZES)):
+            v = res.get(f"{t}_gbps{size or '_4k'}")
+            out[f"{t}_gbps{size}"] = v
+            out[f"{t}_over_memcpy{size}"] = v / mem if v is not None and mem else None
+    return out
 
 
 def print_table(res: dict[str, float | None], meta: dict[str, object]) -> None:
@@ -318,6 +336,8 @@ def print_table(res: dict[str, float | None], meta: dict[str, object]) -> None:
             continue
         why = meta["collective_skipped"] if key.startswith("collective") else None
         print(f"{label:<42}{'-':>8}  ({why or 'not run'})")
+    if res["ttft_with_transfer_s"] is None:
+        return
     a, b = res["ttft_with_transfer_s"] or 0.0, res["ttft_prefill_only_s"] or 1.0
     print(f"\n{f'TTFT, {TTFT_TOKENS // 1024}K-token prompt':<42}{'seconds':>8}")
     print(f"{'prefill alone (no streaming)':<42}{b:>8.3f}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.config import ModelConfig
@@ -43,6 +44,9 @@ class PagedKVCache:
         # flat views per layer: [num_blocks * block_size, kv_heads, head_dim]
         self.k_flat = [self.kv[i, 0].view(-1, self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
         self.v_flat = [self.kv[i, 1].view(-1, self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
+        # a row per (layer, k|v, block), as bytes:
+        # [num_layers * 2 * num_blocks, block_size * kv_heads * head_dim * itemsize]
+        self._rows = self.kv.view(torch.uint8).numpy().reshape(model.num_layers * 2 * num_blocks, -1)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -60,10 +64,21 @@ class PagedKVCache:
         return self.kv[layers].index_select(2, idx)
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor, layers: slice = slice(None)) -> None:
-        """Write `data` ([layers, 2, len(block_ids), block_size, kv_heads, head_dim]) into the given blocks."""
-        view = self.kv[layers]
-        expected = (view.shape[0], 2, len(block_ids), *self.block_shape)
+        """Write `data` ([layers, 2, len(block_ids), block_size, kv_heads, head_dim]) into the given
+        blocks. Raises ValueError on a shape or dtype mismatch, IndexError on a block id out of range.
+
+        A serial copy (numpy, not torch): it runs on the KV server's threads, where a parallel
+        torch op would give each thread an OpenMP team of its own beside the engine loop's
+        (engine/torch_threads.py: every region of both teams then slows down)."""
+        span = range(self.num_layers)[layers]
+        expected = (len(span), 2, len(block_ids), *self.block_shape)
         if tuple(data.shape) != expected or data.dtype != self.dtype:
             raise ValueError(f"KV data {tuple(data.shape)}/{data.dtype} does not match {expected}/{self.dtype}")
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
-        view.index_copy_(2, idx, data)
+        if not block_ids:
+            return
+        if min(block_ids) < 0 or max(block_ids) >= self.num_blocks:
+            raise IndexError(f"block ids {list(block_ids)[:8]} outside [0, {self.num_blocks})")
+        pairs = (np.asarray(span)[:, None] * 2 + np.arange(2)).reshape(-1)  # (layer, k|v) of each run of data
+        rows = (pairs[:, None] * self.num_blocks + np.asarray(block_ids)).reshape(-1)
+        # data as rows: [len(span) * 2 * len(block_ids), block bytes], in `rows` order
+        self._rows[rows] = data.contiguous().view(torch.uint8).numpy().reshape(len(rows), -1)

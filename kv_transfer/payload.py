@@ -7,6 +7,11 @@ A transport is a writer on the sender (`put` fills the header's location fields 
 returns the in-band bytes, empty when out of band) and a reader on the receiver (`get`
 returns the payload bytes the header points at). The collective transport lives in
 kv_transfer/collective.py.
+
+On shm each side copies a payload once; nothing else touches its bytes but the checksum:
+
+    sender    paged cache ──gather (wire.gather, out=)──▶ segment (ShmWriter.claim)
+    receiver  segment, mapped read-only (ShmReader.get) ──write_blocks──▶ paged cache
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Protocol
 
@@ -63,65 +69,107 @@ class InbandReader:
 class ShmSegmentPool:
     """Sender-owned /dev/shm segments, reused across transfers: a fresh segment costs a page
     fault per 4 KiB on first write (~10x the copy itself). A segment is lent to one push at a
-    time and given back after its commit was answered (the receiver has read it all)."""
+    time and given back after its commit was answered (the receiver has read it all).
+
+    `close` unlinks every segment; so does the interpreter's exit (or the pool's collection)
+    if `close` never ran, so a process that dies of an exception leaves nothing in /dev/shm."""
 
     def __init__(self, segment_bytes: int = 64 << 20) -> None:
         self.segment_bytes = max(segment_bytes, 1 << 20)
         self._free: list[tuple[str, mmap.mmap]] = []
-        self._all: list[tuple[str, mmap.mmap]] = []
+        self._names: set[str] = set()  # every segment made and not yet unlinked
         self._lock = threading.Lock()
+        self._closed = False
+        weakref.finalize(self, _unlink, self._names)
 
     def acquire(self, need: int) -> tuple[str, mmap.mmap]:
+        """A segment of at least `need` bytes. Raises RuntimeError once the pool is closed,
+        OSError if /dev/shm is full."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the shm segment pool is closed")
             for k, (_, buf) in enumerate(self._free):
                 if len(buf) >= need:
                     return self._free.pop(k)
-        name = f"tandem-kv-{os.getpid()}-{secrets.token_hex(6)}"
+            name = f"tandem-kv-{os.getpid()}-{secrets.token_hex(6)}"
+            self._names.add(name)
         size = max(self.segment_bytes, need)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
-            seg = (name, mmap.mmap(fd, size))
-        finally:
-            os.close(fd)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                buf = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            with self._lock:
+                _unlink({name})
+                self._names.discard(name)
+            raise
         with self._lock:
-            self._all.append(seg)
-        return seg
+            if name in self._names:
+                return name, buf
+        buf.close()  # the pool closed (and unlinked it) while it was made
+        raise RuntimeError("the shm segment pool is closed")
 
     def release(self, segments: list[tuple[str, mmap.mmap]]) -> None:
         with self._lock:
-            self._free.extend(segments)
+            if not self._closed:
+                self._free.extend(segments)
+                return
+        for _, buf in segments:  # lent out when the pool closed: unlinked then, unmapped now
+            buf.close()
 
     def close(self) -> None:
-        """Unmap and unlink every segment (the client is done)."""
+        """Unlink every segment (the client is done) and unmap those not lent out; a lent one is
+        unmapped when its push gives it back, so no writer ever copies into unmapped memory."""
         with self._lock:
-            for name, buf in self._all:
+            self._closed = True
+            _unlink(self._names)
+            for _, buf in self._free:
                 buf.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, name))
-            self._all.clear()
             self._free.clear()
+
+    def names(self) -> list[str]:
+        """The segments this pool holds in /dev/shm."""
+        with self._lock:
+            return sorted(self._names)
+
+
+def _unlink(names: set[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    names.clear()
 
 
 class ShmWriter:
     """Writes one push's payloads into segments borrowed from a pool (bump allocation; another
-    segment when one fills); gives them back on close."""
+    segment when one fills); gives them back on close. Not thread-safe: KVPush serialises
+    `claim`/`put` and `close`, and uses a claimed view only until it closes the writer."""
 
     def __init__(self, pool: ShmSegmentPool) -> None:
         self.pool = pool
         self._segments: list[tuple[str, mmap.mmap]] = []
         self._offset = 0
 
-    def put(self, header: pb.KVChunkHeader, data: torch.Tensor) -> memoryview:
-        n = data.numel() * data.element_size()
+    def claim(self, header: pb.KVChunkHeader, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` over the next free bytes of shared memory, for the caller to fill
+        (a gather's `out=`); fills the header's location fields. Raises RuntimeError if the pool
+        is closed, OSError if /dev/shm is full."""
+        count = torch.Size(shape).numel()
+        n = count * dtype.itemsize
         if not self._segments or self._offset + n > len(self._segments[-1][1]):
             self._segments.append(self.pool.acquire(n))
             self._offset = 0
         name, buf = self._segments[-1]
-        dst = torch.frombuffer(buf, dtype=data.dtype, count=data.numel(), offset=self._offset)
-        dst.copy_(data.reshape(-1))  # the one copy: cache gather straight into shared memory
+        dst = torch.frombuffer(buf, dtype=dtype, count=count, offset=self._offset).view(shape)
         header.transport, header.shm_name, header.shm_offset = "shm", name, self._offset
         self._offset += n
+        return dst
+
+    def put(self, header: pb.KVChunkHeader, data: torch.Tensor) -> memoryview:
+        self.claim(header, tuple(data.shape), data.dtype).copy_(data)
         return memoryview(b"")
 
     def settle(self) -> None:

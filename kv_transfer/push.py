@@ -28,10 +28,10 @@ import grpc
 import torch
 
 from kv_transfer.errors import KVTransferError, TransferAborted, TransferTimeout
-from kv_transfer.payload import PayloadWriter
+from kv_transfer.payload import PayloadWriter, ShmWriter
 from kv_transfer.stats import TransferStats
 from kv_transfer.status import as_transfer_error
-from kv_transfer.wire import DTYPE_NAMES, checksum, frame, split, tensor_bytes
+from kv_transfer.wire import DTYPE_NAMES, checksum, chunk_spans, frame, gather, split, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class KVPush:
         self.request_id = request_id
         self.reservation = reservation
         self.writer = writer
+        self._shm = writer if isinstance(writer, ShmWriter) else None  # the one writer we fill in place
         self.stall_s = stall_s
         self.max_queued_bytes = max_queued_bytes
         self.bytes = 0
@@ -145,6 +146,30 @@ class KVPush:
         except Exception as e:
             self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
 
+    def send_blocks(
+        self, layer_start: int, layer_end: int, logical_blocks: Sequence[int], kv: torch.Tensor, src: torch.Tensor
+    ) -> None:
+        """`send` of blocks still in the paged cache: gathers them itself, on shm straight into
+        shared memory (the one copy on this side, where `send` copies the caller's gather again).
+        Never blocks, never raises, as `send`.
+
+        kv: [layer_end - layer_start, 2, num_blocks, block_size, kv_heads, head_dim], the cache's
+        layers; src: [len(logical_blocks)] int64, the physical block of each logical block."""
+        if self._error is not None or self._ending:
+            return
+        try:
+            if kv.shape[0] != layer_end - layer_start or src.shape != (len(logical_blocks),):
+                raise ValueError(
+                    f"kv holds {kv.shape[0]} layers and src {tuple(src.shape)} blocks, not [{layer_start}, "
+                    f"{layer_end}) and {len(logical_blocks)}"
+                )
+            dst = [self.reservation.block_ids[j] for j in logical_blocks]
+            layer_block_bytes = kv[:1, :, :1].numel() * kv.element_size()
+            for ls, bs in chunk_spans(kv.shape[0], len(dst), layer_block_bytes, self.reservation.max_chunk_bytes):
+                self._enqueue(self._frame(layer_start + ls.start, dst[bs], kv[ls], src[bs]))
+        except Exception as e:
+            self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
+
     def send_frame(self, message: bytes) -> None:
         """Queue a message already framed (kv_transfer/wire.py) as is: no split, no checks. For
         tests and tools that speak the wire format themselves; fails like `send`, never raises."""
@@ -155,7 +180,11 @@ class KVPush:
         except Exception as e:
             self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
 
-    def _frame(self, layer_start: int, blocks: list[int], data: torch.Tensor) -> bytes:
+    def _frame(self, layer_start: int, blocks: list[int], data: torch.Tensor, src: torch.Tensor | None = None) -> bytes:
+        """Write one chunk's payload and frame its header: `data` itself, or (with `src`) its blocks
+        `src` gathered, [layers, 2, len(src), block_size, kv_heads, head_dim]. On shm the payload
+        is written once, straight into shared memory, and checksummed there."""
+        shape = tuple(data.shape) if src is None else (data.shape[0], 2, len(src), *data.shape[3:])
         header = pb.KVChunkHeader(
             request_id=self.request_id,
             transfer_token=self.reservation.transfer_token,
@@ -163,14 +192,23 @@ class KVPush:
             layer_end=layer_start + data.shape[0],
             block_ids=blocks,
             dtype=DTYPE_NAMES[data.dtype],
-            shape=list(data.shape),
-            payload_bytes=data.numel() * data.element_size(),
-            checksum=checksum(tensor_bytes(data)),
+            shape=list(shape),
+            payload_bytes=torch.Size(shape).numel() * data.element_size(),
         )
-        with self._writer_lock:
+        with self._writer_lock:  # the checksum too: the segment is not given back under it
             if self._error is not None:
                 raise self._error
-            inband = self.writer.put(header, data)
+            if self._shm is None:
+                payload = data if src is None else gather(data, src)
+                inband = self.writer.put(header, payload)
+            else:
+                payload = self._shm.claim(header, shape, data.dtype)  # [shape] over shared memory
+                if src is None:
+                    payload.copy_(data)
+                else:
+                    gather(data, src, payload)
+                inband = memoryview(b"")
+            header.checksum = checksum(tensor_bytes(payload))
         self.bytes += header.payload_bytes
         self.chunks += 1
         return frame(header, inband)

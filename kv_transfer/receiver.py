@@ -234,8 +234,7 @@ class KVReceiver:
         shape = (hi - lo, 2, len(blocks), L.block_size, L.num_kv_heads, L.head_dim)
         if tuple(h.shape) != shape:
             raise ChunkRejected("bad_shape", f"shape {tuple(h.shape)}, expected {shape}")
-        elem = torch.tensor([], dtype=DTYPES[h.dtype]).element_size()
-        if h.payload_bytes != elem * torch.Size(shape).numel():
+        if h.payload_bytes != DTYPES[h.dtype].itemsize * torch.Size(shape).numel():
             raise ChunkRejected("bad_size", f"payload_bytes {h.payload_bytes} does not match shape {shape}")
         if h.payload_bytes > self.max_chunk_bytes:
             raise ChunkRejected("too_large", f"{h.payload_bytes} bytes in one chunk, at most {self.max_chunk_bytes}")

@@ -99,8 +99,9 @@ class LayerStreamer:
                     w.failed = True
                     continue
                 try:
-                    # [layers, 2, blocks, block_size, kv_heads, head_dim]: a copy, so later writes can't race the send
-                    w.push.send(w.next_layer, i + 1, w.logical, kv[w.next_layer : i + 1].index_select(2, w.src))
+                    # gathered by the push (a copy, so later writes can't race the send; on shm straight
+                    # into shared memory)
+                    w.push.send_blocks(w.next_layer, i + 1, w.logical, kv[w.next_layer : i + 1], w.src)
                     w.next_layer = i + 1
                 except Exception as e:  # send does not raise; this guards the step all the same
                     w.failed = True

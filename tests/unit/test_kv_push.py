@@ -6,6 +6,7 @@ network boundary). Deadlines are set short here; no test asserts a speed beyond 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -16,7 +17,7 @@ import torch
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import KVTransferError, TransferAborted, TransferTimeout
-from kv_transfer.payload import InbandWriter
+from kv_transfer.payload import SHM_DIR, InbandWriter
 from kv_transfer.push import KVPush
 from kv_transfer.sender import KVTransferClient
 from kv_transfer.status import as_transfer_error
@@ -227,3 +228,68 @@ def test_a_send_over_the_chunk_limit_goes_as_several_chunks(tiny_model: LlamaMod
     finally:
         client.close()
         p.close()
+
+
+def shm_files() -> set[str]:
+    """This process's shm segments in /dev/shm (kv_transfer/payload.py names them by pid)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"tandem-kv-{os.getpid()}-")}
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("max_chunk_bytes", [None, 2048])
+def test_send_blocks_gathers_the_blocks_itself_bit_identical(
+    tiny_model: LlamaModel, transport: str, max_chunk_bytes: int | None
+) -> None:
+    p = make_pair(tiny_model, max_chunk_bytes=max_chunk_bytes)  # 2048: two blocks of one layer a chunk
+    before = shm_files()
+    client = p.client(transport)
+    try:
+        kv = p.prefill.cache.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        kv.copy_(torch.randn(kv.shape))
+        src = torch.tensor([7, 3, 250, 0, 42])
+        res = client.reserve("r", 20)
+        push = client.push("r", res)
+        push.send_blocks(0, 1, range(5), kv[0:1], src)
+        push.send_blocks(1, 2, range(5), kv[1:2], src)
+        stats = push.commit(20)
+        assert stats.bytes == 2 * 2 * 5 * 4 * 2 * 16 * 4
+        assert stats.chunks == (2 if max_chunk_bytes is None else 2 * 3)
+        assert torch.equal(p.decode.cache.read_blocks(list(res.block_ids)), kv.index_select(2, src))
+        p.receiver.check_integrity()
+        assert p.receiver.release("r", None, "test done")
+    finally:
+        client.close()
+        p.close()
+    assert shm_files() == before, "the client's shm segments outlived it"
+
+
+def test_send_blocks_with_a_bad_source_fails_its_transfer_without_raising(pair: Pair) -> None:
+    client = pair.client("shm")
+    push = client.push("r", client.reserve("r", 8))
+    kv = pair.prefill.cache.kv
+    push.send_blocks(0, 1, [0, 1], kv[0:1], torch.tensor([3]))  # two logical blocks, one source block
+    assert isinstance(push.error, TransferAborted) and "ValueError" in str(push.error)
+    push.send_blocks(0, 1, [0, 1], kv[0:1], torch.tensor([3, 4]))  # a no-op now
+    with pytest.raises(TransferAborted):
+        push.commit(8)
+    assert wait_for(lambda: pair.decode.kv.num_free_blocks == 256)
+    pair.receiver.check_integrity()
+    client.close()
+
+
+def test_shm_pushes_reuse_their_segments_and_leave_none_behind(pair: Pair) -> None:
+    before = shm_files()
+    client = pair.client("shm")
+    data = torch.randn(*CHUNK)
+    seen: set[str] = set()
+    for n in range(4):
+        push = client.push(f"r{n}", client.reserve(f"r{n}", 8))
+        push.send(0, 1, [0, 1], data)
+        push.send(1, 2, [0, 1], data)
+        push.commit(8)
+        assert pair.receiver.release(f"r{n}", None, "test done")
+        seen |= shm_files() - before
+    assert len(seen) == 1, "each push took a new segment"
+    client.close()
+    assert shm_files() == before
+    assert pair.decode.kv.num_free_blocks == 256
