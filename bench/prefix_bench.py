@@ -2,6 +2,10 @@
 
     TTFT      1 prefill + 1 decode worker, the same conversations with prefix caching on and off
               (EngineConfig.enable_prefix_caching); median over follow-up turns (turn >= 1)
+    reuse     how a next turn finds the last answer's KV, caching on: (a) the local route (the
+              default: the turn runs on the decode worker that wrote the answer), (b) write-back
+              (the answer's KV copied to the prefill worker after each turn, local route off),
+              and neither (the prefill worker holds only the prompts it prefilled)
     hit rate  the same shapes, fresh text each run, on 1 prefill worker and on 2 prefill workers
               routed cache-aware (the router's default: the longest prefix in the shared index)
               or round robin (bench.harness.RoundRobinPrefill, a Backend wrapper)
@@ -77,11 +81,25 @@ class Run:
         }
 
 
-def run_once(cluster: Cluster, plan: Plan, name: str, salt: int, seed: int, progress: bool, rr: bool = False) -> Run:
-    """One pass of the workload through a fresh router over `cluster`."""
+def run_once(
+    cluster: Cluster,
+    plan: Plan,
+    name: str,
+    salt: int,
+    seed: int,
+    progress: bool,
+    rr: bool = False,
+    reuse: str = "local",
+) -> Run:
+    """One pass of the workload through a fresh router over `cluster`. `reuse`: how a next turn
+    finds the last answer's KV: "local" (the router's default: the turn runs on the decode worker
+    that wrote it), "write_back" (copied to the prefill worker after each turn, local route off)
+    or "none" (both off: the prefill worker holds only what it prefilled)."""
     print(f"[prefix] {name}", file=sys.stderr)
     items = make_items(plan.mix, plan.requests, seed=seed, salt=salt, active=plan.active)
-    with serving(cluster, round_robin=rr) as url:
+    cluster.config.write_back = reuse == "write_back"
+    settings = {} if reuse == "local" else {"local_below_tokens": 0}
+    with serving(cluster, round_robin=rr, **settings) as url:
         target = Target(url, asyncio.run(first_model(url)), timeout_s=180.0)
         results, duration = asyncio.run(
             run_load(target, items, concurrency=plan.concurrency, progress=progress, desc=name)
@@ -100,6 +118,10 @@ def measure(plan: Plan, seed: int, progress: bool) -> dict[str, Run]:
     runs: dict[str, Run] = {}
     with running_cluster(config(plan, caching=True)) as cluster:
         runs["single"] = run_once(cluster, plan, "1 prefill worker, caching on", 0, seed, progress)
+        runs["write_back"] = run_once(cluster, plan, "write-back, local route off", 3, seed, progress,
+                                      reuse="write_back")  # fmt: skip
+        runs["prefill_only"] = run_once(cluster, plan, "no write-back, local route off", 4, seed, progress,
+                                        reuse="none")  # fmt: skip
         wait_pools(cluster, prefill=2, decode=1)
         runs["cache_aware"] = run_once(cluster, plan, "2 prefill workers, cache-aware", 1, seed, progress)
         runs["round_robin"] = run_once(cluster, plan, "2 prefill workers, round robin", 2, seed, progress, rr=True)
@@ -115,11 +137,16 @@ def report(runs: dict[str, Run], plan: Plan) -> dict[str, Any]:
     return {
         "cached_ttft_s": median(runs["single"].followup_ttfts()),
         "cold_ttft_s": median(runs["cold"].followup_ttfts()),
+        "write_back_ttft_s": median(runs["write_back"].followup_ttfts()),
+        "prefill_cache_only_ttft_s": median(runs["prefill_only"].followup_ttfts()),
         "hit_rate_cache_aware": hit_rate(runs["cache_aware"].results),
         "hit_rate_round_robin": hit_rate(runs["round_robin"].results),
         "hit_rate_single": hit_rate(runs["single"].results),
         "definitions": {
             "ttft": "median TTFT of follow-up turns (turn >= 1), 1P+1D, closed loop",
+            "cached_ttft_s": "(a) the default: a next turn runs on the decode worker that wrote the answer",
+            "write_back_ttft_s": "(b) the answer's KV copied to the prefill worker after each turn; (a) off",
+            "prefill_cache_only_ttft_s": "neither: the prefill worker's cache holds only what it prefilled",
             "hit_rate": "sum of per-request cached prompt tokens (prefill engine) / sum of prompt tokens",
         },
         "workload": {
@@ -160,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     res = {**report(runs, plan), "quick": args.quick, "elapsed_s": time.monotonic() - t0}
     if args.out:
         out = Path(args.out)
-        series = {"caching on": runs["single"].results, "caching off": runs["cold"].results}
+        series = {
+            "caching on, (a) local route": runs["single"].results,
+            "caching on, (b) write-back": runs["write_back"].results,
+            "caching off": runs["cold"].results,
+        }
         png = plots.latency_cdfs(series, out / "prefix_ttft_cdf.png", SLO(), "multi-turn chat, 1P+1D")
         res["files"] = [str(png), str(out / "prefix.json")]
         (out / "prefix.json").write_text(json.dumps(res, indent=2))
@@ -169,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"multi-turn chat ({plan.requests} requests, closed loop x{plan.concurrency}), 1 thread per worker")
     print(f"  follow-up TTFT, median: caching on {_s(res['cached_ttft_s'])}, off {_s(res['cold_ttft_s'])}")
+    print(f"  answer reuse: (a) local route {_s(res['cached_ttft_s'])}, (b) write-back "
+          f"{_s(res['write_back_ttft_s'])}, neither {_s(res['prefill_cache_only_ttft_s'])}")  # fmt: skip
     print(f"  prefix hit rate: 1 prefill worker {_pct(res['hit_rate_single'])}; 2 workers cache-aware "
           f"{_pct(res['hit_rate_cache_aware'])}, round robin {_pct(res['hit_rate_round_robin'])}")  # fmt: skip
     for r in res["runs"].values():

@@ -3,9 +3,10 @@
 Actors are threaded, with three lanes (Ray concurrency groups), so that no control call ever
 waits behind generation:
 
-    default  max 64   generate / prefill / reserve: one thread per stream, held for its length
+    default  max 64   start / prefill / reserve / write-back: one thread per call, held for its length
     health   max 4    ping, drain: touch no lock, answer within milliseconds however busy
     control  max 16   idle, abort, release, stats, check_integrity: wait for one engine step at most
+    feed     max 8    take_outputs: a router's long poll for its requests' outputs (engine/outbox.py)
 
 They ask for 0 CPUs and one slot of their role's custom resource, so placement follows the
 `prefill` / `decode` / `colocated` slots nodes advertise.
@@ -13,6 +14,7 @@ They ask for 0 CPUs and one slot of their role's custom resource, so placement f
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
@@ -24,13 +26,20 @@ from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.messages import TokenOutput
+from engine.outbox import Item
+from engine.outputs import RequestOutput
 from engine.worker_base import WorkerBase
 from kv_transfer.security import KVTLSConfig
+from kv_transfer.write_back import WriteBackResult, WriteBackTicket
 from prefill_workers.worker import PrefillResult, PrefillWorker
 
 MAX_STREAMS = 64
-HEALTH, CONTROL = "health", "control"
-CONCURRENCY_GROUPS = {HEALTH: 4, CONTROL: 16}
+# A write-back's calls to its target: they wait for one engine step at most (the lock is fair),
+# so this only bounds a frozen target.
+WRITE_BACK_CALL_S = 30.0
+log = logging.getLogger(__name__)
+HEALTH, CONTROL, FEED = "health", "control", "feed"
+CONCURRENCY_GROUPS = {HEALTH: 4, CONTROL: 16, FEED: 8}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -68,6 +77,14 @@ class _ControlLane(WorkerBase):
     def stats(self) -> dict[str, Any]:
         return super().stats()
 
+    @_lane(FEED)
+    def take_outputs(self, subscriber: str, wait_s: float) -> list[Item]:
+        return super().take_outputs(subscriber, wait_s)
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        with self.serving():
+            super().start(*args, **kwargs)
+
     @_lane(CONTROL)
     def check_integrity(self) -> None:
         super().check_integrity()
@@ -84,7 +101,7 @@ class PrefillActor(_ControlLane, PrefillWorker, PublishesBlocks):
         transport: str = "grpc",
         tls: KVTLSConfig | None = None,
     ) -> None:
-        PrefillWorker.__init__(self, worker_id, model_path, config, transport, tls=tls)
+        PrefillWorker.__init__(self, worker_id, model_path, config, transport, tls=tls, host=_bind_host())
         self._register(state_url, namespace)
 
     def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
@@ -93,6 +110,12 @@ class PrefillActor(_ControlLane, PrefillWorker, PublishesBlocks):
                 return super().prefill(*args, **kwargs)
             finally:
                 self.publish_soon()
+
+    def adopt_write_back(self, request_id: str, token_ids: list[int]) -> None:
+        try:
+            super().adopt_write_back(request_id, token_ids)
+        finally:
+            self.publish_soon()  # the next turn, perhaps sent already, looks these blocks up
 
 
 class DecodeActor(_ControlLane, DecodeWorker, PublishesBlocks):
@@ -105,24 +128,38 @@ class DecodeActor(_ControlLane, DecodeWorker, PublishesBlocks):
         namespace: str,
         tls: KVTLSConfig | None = None,
     ) -> None:
-        # The KV endpoint other nodes dial; loopback unless the deployment names this node's address.
-        host = os.environ.get("TANDEM_BIND_HOST", "127.0.0.1")
-        DecodeWorker.__init__(self, worker_id, model_path, config, host=host, tls=tls)
+        DecodeWorker.__init__(self, worker_id, model_path, config, host=_bind_host(), tls=tls)
         self._register(state_url, namespace)
+        # a request's end publishes its answer's blocks at once: a next turn may follow right away
+        self.loop.on_outputs.append(self._publish_on_finish)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
-        with self.serving():
-            try:
-                yield from super().generate(*args, **kwargs)
-            finally:
-                self.publish_soon()
+    def _publish_on_finish(self, outs: list[RequestOutput]) -> None:
+        if any(o.finished for o in outs):
+            self.publish_soon()
 
-    def generate_local(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
+    def start_decode(self, *args: Any, **kwargs: Any) -> None:
         with self.serving():
-            try:
-                yield from super().generate_local(*args, **kwargs)
-            finally:
-                self.publish_soon()
+            super().start_decode(*args, **kwargs)
+
+    def write_back(self, request_id: str, token_ids: list[int], target: Any) -> WriteBackResult | None:
+        """DecodeWorker.send_write_back to `target`, a prefill actor. Best effort, after a turn: a
+        failure is logged, never raised (the next turn then prefills the answer again)."""
+
+        def reserve(tokens: list[int]) -> WriteBackTicket | None:
+            ticket: WriteBackTicket | None = ray.get(
+                target.reserve_write_back.remote(request_id, tokens), timeout=WRITE_BACK_CALL_S
+            )
+            return ticket
+
+        def adopt(tokens: list[int]) -> None:
+            ray.get(target.adopt_write_back.remote(request_id, tokens), timeout=WRITE_BACK_CALL_S)
+
+        try:
+            with self.serving():
+                return self.send_write_back(request_id, token_ids, reserve, adopt)
+        except Exception as e:
+            log.warning("write-back %s failed: %s: %s", request_id, type(e).__name__, e)
+            return None
 
     @_lane(CONTROL)
     def release(self, request_id: str) -> bool:
@@ -145,6 +182,11 @@ class ColocatedActor(_ControlLane, ColocatedWorker, Registered):
 
 
 ACTOR_CLASSES: dict[str, type] = {"prefill": PrefillActor, "decode": DecodeActor, "colocated": ColocatedActor}
+
+
+def _bind_host() -> str:
+    """The KV endpoint other nodes dial; loopback unless the deployment names this node's address."""
+    return os.environ.get("TANDEM_BIND_HOST", "127.0.0.1")
 
 
 def actor_name(namespace: str, worker_id: str) -> str:

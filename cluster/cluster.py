@@ -20,7 +20,8 @@ from typing import Any
 
 import ray
 
-from cluster.handoff import Attempt, Waits
+from cluster.feeds import Feeds
+from cluster.handoff import Attempt, Seam, Waits
 from cluster.inflight import InflightLedger
 from cluster.inventory import node_resources
 from cluster.redis_server import EmbeddedRedis
@@ -57,6 +58,7 @@ class ClusterConfig:
     kv_tls: KVTLSConfig | None = None  # TLS on the KV channel between prefill and decode workers
     waits: Waits = field(default_factory=Waits)
     max_migrations: int = 2  # mid-stream replays of one request on another pair
+    write_back: bool = False  # after a P/D turn, copy the answer's KV to the prefill worker (cluster.handoff)
 
 
 def _ray_env() -> None:
@@ -75,6 +77,7 @@ class Cluster:
         self.owns_ray = own_ray
         self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
         self.ledger = InflightLedger()
+        self.feeds = Feeds()
         self._route_lock = threading.Lock()
         # workers that left stop counting in the ledger (their streams fail over on their own)
         self.view = ViewRefresher(
@@ -164,6 +167,7 @@ class Cluster:
     def check_integrity(self) -> None:
         ray.get([h.check_integrity.remote() for h in self.handles().values()], timeout=30)
         self.ledger.check_integrity()
+        self.feeds.check_integrity()
 
     # ---- the request path: reads the view and the ledger, never waits on Redis ---------------
 
@@ -253,7 +257,8 @@ class Cluster:
                               len(prompt))  # fmt: skip
             lease = MIN_LEASE_S + 2 * eta
         try:
-            return Attempt(rid, prompt, params, route, view.handles, self.ledger, cancel, self.config.waits, lease)
+            seam = Seam(self.ledger, self.feeds, self.config.waits, self.config.write_back)
+            return Attempt(rid, prompt, params, route, view.handles, seam, cancel, lease)
         except BaseException:
             self.ledger.end(rid)
             raise

@@ -1,15 +1,20 @@
 """One attempt at a request on one route: the P/D hand-off's states, and who frees what.
 
-    NEW --reserve on decode--> RESERVED --prefill(reservation)--> PREFILLED --decode.generate--> STREAMING
+    NEW --reserve on decode--> RESERVED --prefill(reservation)--> PREFILLED --start_decode--> STREAMING
      |                            |                                   |                            |
      +----------------------------+------ failure / cancel / stall ---+----------------------------+--> FAILED
                                                                                        finished --> DONE
 
-A colocated route (no prefill worker) goes NEW --generate--> STREAMING; a local route (the whole
-request on a decode worker that holds its prefix) NEW --generate_local--> STREAMING. On every way out but
+A colocated route (no prefill worker) goes NEW --start--> STREAMING, and so does a local route (the
+whole request on a decode worker that holds its prefix). Outputs come back through the router's feed
+of that worker (cluster.feeds: a batch per engine step for all its requests). On every way out but
 DONE, `close()` frees what the attempt holds, fire-and-forget (a frozen worker cannot hold the
 caller): the decode side's reservation (release) and request (abort), the prefill's request
 (abort). The receiver's lease is the backstop if even that is lost.
+
+With `write_back`, a P/D attempt that finishes asks its decode worker to copy the turn's KV that
+the prefill worker lacks (the answer) into that worker's prefix cache, in the background
+(kv_transfer/write_back.py): the conversation's next turn then prefills only its new message.
 
 No wait here has a fixed size. A wait lasts while the workers it depends on answer pings on
 their control lane (`Liveness`): a long prompt, a long queue or a big batch is not a failure,
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -30,6 +36,7 @@ from typing import Any
 
 import ray
 
+from cluster.feeds import Entry, Feeds, Gone
 from cluster.inflight import InflightLedger
 from cluster.outputs import Placement
 from cluster.routing import Route
@@ -61,6 +68,17 @@ class Waits:
     stall_s: float = 1.0
     liveness_s: float = 3.0
     transfer_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class Seam:
+    """What every attempt of one router shares: the in-flight ledger, the outputs' feeds, the
+    waits, and whether a finished P/D turn writes its answer's KV back to its prefill worker."""
+
+    ledger: InflightLedger
+    feeds: Feeds
+    waits: Waits
+    write_back: bool = False
 
 
 class Stage(Enum):
@@ -121,18 +139,18 @@ class Attempt:
         params: SamplingParams,
         route: Route,
         handles: Mapping[str, Any],
-        ledger: InflightLedger,
+        seam: Seam,
         cancel: threading.Event,
-        waits: Waits,
         lease_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.route = route
-        self.ledger = ledger
+        self.seam = seam
+        self.ledger = seam.ledger
         self.cancel = cancel
-        self.waits = waits
+        self.waits = seam.waits
         self.lease_s = lease_s
         self.stage = Stage.NEW
         self.placement: Placement | None = None
@@ -143,10 +161,8 @@ class Attempt:
         self.prefill = handles[route.prefill] if route.prefill is not None else None
 
     def run(self) -> Iterator[TokenOutput]:
-        if self.route.local:
-            yield from self._whole(self.decode.generate_local)
-        elif self.prefill is None:
-            yield from self._whole(self.decode.generate)  # a colocated worker
+        if self.prefill is None:  # a colocated worker, or the local route on a decode worker
+            yield from self._whole()
         else:
             yield from self._disaggregated(self.prefill)
 
@@ -175,30 +191,45 @@ class Attempt:
             self.stage = Stage.DONE
             yield result.first
             return
-        gen = self.decode.generate.options(num_returns="streaming").remote(
-            rid, self.prompt, result.first.token_ids[0], self.params, self.waits.transfer_s
-        )
-        self.stage = Stage.STREAMING
-        yield result.first
-        outs = self._stream(gen, route.decode)
-        again = next(outs)  # the decode side's emission of the same first token: already sent
-        if again.token_ids != result.first.token_ids:
-            raise AttemptFailed(f"worker {route.decode} admitted {again.token_ids}, not {result.first.token_ids}")
-        if again.finished:
-            yield dataclasses.replace(again, token_ids=(), text="", logprobs=())
-        yield from outs
+        feed = self.seam.feeds.open(route.decode, self.decode, rid)
+        try:
+            started = self.decode.start_decode.remote(
+                self.seam.feeds.subscriber, rid, self.prompt, result.first.token_ids[0], self.params,
+                self.waits.transfer_s,
+            )  # fmt: skip
+            self.stage = Stage.STREAMING
+            yield result.first
+            outs = self._follow(feed, started, route.decode)
+            again = next(outs)  # the decode side's emission of the same first token: already sent
+            if again.token_ids != result.first.token_ids:
+                raise AttemptFailed(f"worker {route.decode} admitted {again.token_ids}, not {result.first.token_ids}")
+            answer = list(again.token_ids)
+            if again.finished:
+                yield dataclasses.replace(again, token_ids=(), text="", logprobs=())
+            for out in outs:
+                answer += out.token_ids
+                if out.finished and out.finish_reason in ("stop", "length") and self.seam.write_back:
+                    # the next turn's prefill, on this prefill worker, then finds the answer cached too
+                    self.decode.write_back.remote(f"{rid}.wb", self.prompt + answer, prefill)
+                yield out
+        finally:
+            self.seam.feeds.close(route.decode, rid)
 
-    def _whole(self, method: Any) -> Iterator[TokenOutput]:
-        """The whole request on the route's one worker through `method`, a streaming actor method
-        taking (request_id, prompt, params); the placement counts the prefix its engine had cached."""
+    def _whole(self) -> Iterator[TokenOutput]:
+        """The whole request on the route's one worker; the placement counts the prefix its engine
+        had cached."""
         t0 = time.monotonic()
-        gen = method.options(num_returns="streaming").remote(self.request_id, self.prompt, self.params)
-        self.stage = Stage.STREAMING
         worker = self.route.decode
-        for out in self._stream(gen, worker):
-            if self.placement is None:
-                self.placement = Placement(worker, worker, out.num_cached_tokens, prefill_s=time.monotonic() - t0)
-            yield out
+        feed = self.seam.feeds.open(worker, self.decode, self.request_id)
+        try:
+            started = self.decode.start.remote(self.seam.feeds.subscriber, self.request_id, self.prompt, self.params)
+            self.stage = Stage.STREAMING
+            for out in self._follow(feed, started, worker):
+                if self.placement is None:
+                    self.placement = Placement(worker, worker, out.num_cached_tokens, prefill_s=time.monotonic() - t0)
+                yield out
+        finally:
+            self.seam.feeds.close(worker, self.request_id)
 
     def _await(self, ref: Any, live: Liveness, suspect: str | None = None) -> Any:
         """The value of `ref`, while every worker in `live` stays alive."""
@@ -210,22 +241,28 @@ class Attempt:
                 return self._get(ref, suspect)
             live.check()
 
-    def _stream(self, gen: Any, worker: str) -> Iterator[TokenOutput]:
+    def _follow(self, feed: queue.SimpleQueue[Entry], started: Any, worker: str) -> Iterator[TokenOutput]:
+        """The outputs `feed` brings from `worker` until the finished one; `started` is the ref of
+        the call that started the request there, whose error (a failed admission) ends it."""
         live = Liveness({worker: self.decode}, self.waits)
         while True:
             if self.cancel.is_set():
                 raise Cancelled(f"request {self.request_id!r} was cancelled")
             try:
-                ref = gen._next_sync(timeout_s=self.waits.poll_s)  # Ray's bounded wait on a stream
-            except StopIteration:
-                raise AttemptFailed(f"the stream of worker {worker} ended early", worker) from None
-            if ref.is_nil():
+                entry = feed.get(timeout=self.waits.poll_s)
+            except queue.Empty:
+                if started is not None and ray.wait([started], timeout=0)[0]:
+                    self._get(started, worker)  # raises what the start raised
+                    started = None
                 live.check()
                 continue
-            out: TokenOutput = self._get(ref, worker)
+            if isinstance(entry, Gone):
+                raise AttemptFailed(entry.reason, worker)
+            if isinstance(entry, str):
+                raise AttemptFailed(f"worker {worker}: {entry}", worker)
             live.progress()
-            yield out
-            if out.finished:
+            yield entry
+            if entry.finished:
                 self.stage = Stage.DONE
                 return
 

@@ -154,7 +154,7 @@ class RoutingPolicy:
 @dataclass(frozen=True)
 class Route:
     """Where one request runs. `prefill` None: the whole request runs on `decode` with no
-    transfer: a colocated worker, or with `local` a decode worker (`DecodeWorker.generate_local`).
+    transfer: a colocated worker, or with `local` a decode worker (`WorkerBase.start`).
     `cached_tokens`: the prefix the index says `prefill` (`decode` when local) holds."""
 
     decode: str

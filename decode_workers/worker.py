@@ -1,13 +1,14 @@
 """DecodeWorker: reserves blocks, receives KV over kv_transfer, decodes in continuous batches.
 
-Tokens go back as a Ray streaming generator (`generate` is a plain generator; the actor
-wrapper declares it streaming): Ray then carries backpressure and actor death to the
-caller, who sees a typed error on the next item, with no second port or protocol to run.
+In the cluster, `start_decode` admits a request and its tokens go to the router's outbox
+(engine/outbox.py: one batch per engine step for all of that router's requests, taken by long
+polls); the local route (a next turn whose history this worker holds) is `start`, the whole
+request here. `generate` streams one request's outputs to an in-process caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
@@ -16,7 +17,9 @@ from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.security import KVTLSConfig
+from kv_transfer.sender import KVClients, KVTransferClient
 from kv_transfer.server import KVTransferServer
+from kv_transfer.write_back import WriteBackResult, WriteBackSource, WriteBackTicket
 
 
 class DecodeWorker(WorkerBase):
@@ -36,6 +39,8 @@ class DecodeWorker(WorkerBase):
         self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s)
         self.server = KVTransferServer(self.receiver, host=host, tls=tls).start()
         self.endpoint = self.server.endpoint
+        clients = KVClients(lambda endpoint: KVTransferClient(endpoint, "grpc", tls=tls))
+        self.write_back_source = WriteBackSource(self.engine, self.loop.lock, clients)
 
     def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> bytes:
         """Claim blocks for a prompt's KV; a serialized ReserveResponse (endpoint, token, blocks).
@@ -64,13 +69,33 @@ class DecodeWorker(WorkerBase):
         finally:
             self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
 
-    def generate_local(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, step_timeout_s: float = 30.0
-    ) -> Iterator[TokenOutput]:
-        """The local route: run a request whole here, prefilling only what this engine's prefix
-        cache lacks (a conversation's next turn, whose history and last answer this worker wrote),
-        then decoding. Outputs as `generate`'s; the first carries `num_cached_tokens`."""
-        yield from self._run_whole(request_id, prompt_ids, params, step_timeout_s)
+    def start_decode(
+        self,
+        subscriber: str,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+        transfer_timeout_s: float = 10.0,
+    ) -> None:
+        """`generate`, its outputs going to `subscriber`'s outbox (`take_outputs`): returns once the
+        verified transfer is admitted. Raises KVTransferError, TransferTimeout."""
+        self.receiver.wait(request_id, transfer_timeout_s)
+        self._open_into(
+            subscriber, request_id, lambda: self.receiver.admit(request_id, prompt_ids, first_token, params)
+        )
+
+    def send_write_back(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        reserve: Callable[[list[int]], WriteBackTicket | None],
+        adopt: Callable[[list[int]], None],
+    ) -> WriteBackResult | None:
+        """Copy the KV of a finished turn (`token_ids`: its prompt and answer) that a prefill worker
+        lacks into that worker's prefix cache; `reserve` and `adopt` call it (kv_transfer/write_back.py)."""
+        self._check_open()
+        return self.write_back_source.push(request_id, token_ids, reserve, adopt)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
@@ -79,8 +104,10 @@ class DecodeWorker(WorkerBase):
         return s
 
     def check_integrity(self) -> None:
-        self.receiver.check_integrity()
+        self.receiver.check_integrity()  # the engine's too
+        self.outboxes.check_integrity(self.loop.streaming())
 
     def shutdown(self) -> None:
         self.server.stop(0)
         super().shutdown()
+        self.write_back_source.clients.close()

@@ -137,6 +137,33 @@ class Engine:
         self.scheduler.add(req)
         self._pending.append(self._append_token(req, first_token_id, None))
 
+    # ---- write-back: a finished answer's KV copied into another engine's prefix cache ----------
+
+    def hold_cached(self, holder_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Keep the cached run of `token_ids`' full blocks from eviction until `release(holder_id)`
+        (the source side, while it reads them); their block ids. Raises DuplicateRequestError."""
+        self._check_new_id(holder_id)
+        blocks = self.kv.hold_cached(holder_id, token_ids)
+        self._reserved.add(holder_id)
+        return blocks
+
+    def reserve_uncached(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """The receiving side: (tokens of `token_ids` already cached here, a new block for each
+        full block after them), to be written from outside, then `adopt`ed or `release`d.
+        Raises NoFreeBlocksError, DuplicateRequestError."""
+        self._check_new_id(request_id)
+        cached, blocks = self.kv.reserve_uncached(request_id, token_ids)
+        self._reserved.add(request_id)
+        return cached, blocks
+
+    def adopt(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Blocks of a `reserve_uncached`, now written: hashed into the prefix cache, then freed,
+        where they stay cached until evicted. Raises InvalidRequestError."""
+        if request_id not in self._reserved:
+            raise InvalidRequestError(f"no reservation for request {request_id!r}", "request_id")
+        self.kv.cache_full_blocks(request_id, token_ids, len(self.kv.block_table(request_id)) * self.config.block_size)
+        self.release(request_id)
+
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

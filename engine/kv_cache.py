@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from engine.block_pool import BlockPool, hash_block_tokens, prefix_hashes
-from engine.errors import UnknownRequestError
+from engine.errors import NoFreeBlocksError, UnknownRequestError
 
 __all__ = ["BlockPool", "KVCacheManager", "hash_block_tokens", "prefix_hashes"]
 
@@ -61,8 +61,18 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} already holds blocks")
         if not self.enable_prefix_caching:
             return 0
+        hits, hashes = self._cached_chain(token_ids, max(len(token_ids) - 1, 0) // self.block_size)
+        self.pool.touch(hits)
+        self._tables[request_id] = hits
+        self._hashes[request_id] = hashes
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def _cached_chain(self, token_ids: Sequence[int], num_full: int) -> tuple[list[int], list[int]]:
+        """The cached blocks (and their hashes) of the longest cached run of the first `num_full`
+        full blocks of `token_ids`."""
         bs = self.block_size
-        num_full = max(len(token_ids) - 1, 0) // bs
         hits: list[int] = []
         hashes: list[int] = []
         parent: int | None = None
@@ -73,12 +83,39 @@ class KVCacheManager:
                 break
             hits.append(block_id)
             hashes.append(parent)
+        return hits, hashes
+
+    # ---- write-back: full blocks copied from one engine's cache into another's --------------
+
+    def hold_cached(self, holder_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Take a reference, as `holder_id`, on the cached run of `token_ids`' full blocks (all of
+        them, the last included), so that none is evicted until `free(holder_id)`; their ids.
+        Nothing when prefix caching is off. Raises ValueError if the id already holds blocks."""
+        if holder_id in self._tables:
+            raise ValueError(f"request {holder_id!r} already holds blocks")
+        hits: list[int] = []
+        hashes: list[int] = []
+        if self.enable_prefix_caching:
+            hits, hashes = self._cached_chain(token_ids, len(token_ids) // self.block_size)
         self.pool.touch(hits)
-        self._tables[request_id] = hits
-        self._hashes[request_id] = hashes
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(hits) * bs
-        return len(hits) * bs
+        self._tables[holder_id] = hits
+        self._hashes[holder_id] = hashes
+        return list(hits)
+
+    def reserve_uncached(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """Hold the cached run of `token_ids`' full blocks and allocate a block for each full block
+        after it: (tokens already cached, the new blocks), to be written from outside, then hashed
+        by `cache_full_blocks` and freed into the cache. No new block when prefix caching is off
+        (there is no cache to write into). Raises NoFreeBlocksError, holding nothing."""
+        held = self.hold_cached(request_id, token_ids)
+        missing = len(token_ids) // self.block_size - len(held) if self.enable_prefix_caching else 0
+        try:
+            new = self.pool.allocate(missing)
+        except NoFreeBlocksError:
+            self.free(request_id)
+            raise
+        self._tables[request_id].extend(new)
+        return len(held) * self.block_size, new
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table (creating it if new) to cover `num_tokens` slots in total.

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from engine.engine import Engine
 from engine.errors import EngineError
@@ -58,16 +58,23 @@ class RequestStream:
                 return
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go: a RequestStream (read by one caller), or an outbox's Sink."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, lock: FairRLock | None = None) -> None:
         self.engine = engine
         self.lock = lock or FairRLock()
         self.steps = 0
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.on_outputs: list[Callable[[list[RequestOutput]], None]] = []
+        self.on_dispatched: list[Callable[[], None]] = []  # after each step's outputs are all put
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -83,6 +90,11 @@ class EngineLoop:
 
         Errors from `add` (invalid input, duplicate id) propagate and leave nothing behind."""
         stream = RequestStream(request_id)
+        self.open_into(stream, request_id, add)
+        return stream
+
+    def open_into(self, stream: OutputSink, request_id: str, add: Callable[[], Any]) -> None:
+        """`open`, with the outputs going to `stream`."""
         with self.lock:
             if request_id in self._streams:
                 raise EngineError(f"request {request_id!r} is already streaming")
@@ -93,7 +105,6 @@ class EngineLoop:
                 self._streams.pop(request_id, None)
                 raise
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; its stream ends with a finished 'abort' output."""
@@ -102,6 +113,7 @@ class EngineLoop:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put(RequestOutput(request_id, [], "", True, "abort"))
+            self._flush()
         return found
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:
@@ -112,6 +124,10 @@ class EngineLoop:
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    def streaming(self) -> set[str]:
+        """The ids of the requests whose outputs are being streamed."""
+        return set(self._streams)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -141,12 +157,18 @@ class EngineLoop:
             stream.put(o)
             if o.finished:
                 self._streams.pop(o.request_id, None)
+        self._flush()
+
+    def _flush(self) -> None:
+        for done in self.on_dispatched:
+            done()
 
     def _fail_all(self, e: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             self.engine.abort(rid)
             stream.put(StreamError(f"engine step failed: {e}"))
         self._streams.clear()
+        self._flush()
 
     def check_integrity(self) -> None:
         with self.lock:

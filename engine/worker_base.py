@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from engine.loop import EngineLoop
 from engine.messages import TokenOutput
+from engine.outbox import Item, Outboxes
 from engine.sampling_params import SamplingParams
 from engine.torch_threads import on_spent_thread
 
@@ -41,6 +42,8 @@ class WorkerBase:
         # built off this thread, so that the loop's thread holds the process's only OpenMP team
         self.engine = on_spent_thread(lambda: Engine.from_path(model_path, config))
         self.loop = EngineLoop(self.engine).start()
+        self.outboxes = Outboxes(self.loop.abort)
+        self.loop.on_dispatched.append(self.outboxes.flush)
         self._last_stats: dict[str, Any] = {"worker_id": worker_id, "role": self.role, "pid": os.getpid()}
         self.draining = False
         self._calls = 0
@@ -95,6 +98,25 @@ class WorkerBase:
         finally:
             self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
 
+    def start(self, subscriber: str, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """`_run_whole`, its outputs going to `subscriber`'s outbox (`take_outputs`); returns once
+        the request is queued. Raises InvalidRequestError, WorkerDraining."""
+        self._check_open()
+        self._open_into(subscriber, request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
+
+    def _open_into(self, subscriber: str, request_id: str, add: Callable[[], Any]) -> None:
+        sink = self.outboxes.sink(subscriber, request_id)
+        try:
+            self.loop.open_into(sink, request_id, add)
+        except BaseException:
+            self.outboxes.discard(sink)
+            raise
+
+    def take_outputs(self, subscriber: str, wait_s: float) -> list[Item]:
+        """The outputs of `subscriber`'s requests since its last take (engine/outbox.py): waits up
+        to `wait_s` for a first one."""
+        return self.outboxes.take(subscriber, wait_s)
+
     def pop_block_events(self) -> tuple[list[int], list[int]]:
         """Block hashes cached and evicted in the engine since the last call (for the prefix index)."""
         events: tuple[list[int], list[int]] = self.loop.call(lambda e: e.kv.pool.pop_events())
@@ -125,6 +147,8 @@ class WorkerBase:
 
     def check_integrity(self) -> None:
         self.loop.check_integrity()
+        self.outboxes.check_integrity(self.loop.streaming())
 
     def shutdown(self) -> None:
+        self.outboxes.close()
         self.loop.stop()

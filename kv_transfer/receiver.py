@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -71,12 +71,20 @@ class KVReceiver:
 
     def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> pb.ReserveResponse:
         """Claim blocks for `num_tokens` tokens. Raises NoFreeBlocksError, PromptTooLongError, ..."""
-        lease = lease_s if lease_s else self.lease_s
+        self.check_unreserved(request_id)
+        with self.engine_lock:
+            blocks = self.engine.reserve(request_id, num_tokens)  # raises on a duplicate id
+        return self.lease(request_id, blocks, num_tokens, lease_s)
+
+    def check_unreserved(self, request_id: str) -> None:
         with self._cond:
             if request_id in self.table:
                 raise KVTransferError(f"request {request_id!r} already has a reservation")
-        with self.engine_lock:
-            blocks = self.engine.reserve(request_id, num_tokens)  # raises on a duplicate id
+
+    def lease(self, request_id: str, blocks: list[int], num_tokens: int, lease_s: float | None) -> pb.ReserveResponse:
+        """Lease `blocks`, which the engine holds for `request_id`, to the one sender holding the
+        response's token, for `lease_s` (default: the receiver's) until the first chunk."""
+        lease = lease_s if lease_s else self.lease_s
         with self._cond:
             r = self.table.add(request_id, blocks, num_tokens, lease)
             self._failed.pop(request_id, None)
@@ -260,14 +268,25 @@ class KVReceiver:
         self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
     ) -> None:
         """Hand a complete transfer to the engine as a running request."""
+
+        def start(r: Reservation) -> None:
+            if len(prompt_token_ids) > r.num_tokens:
+                self.engine.release(request_id)
+                raise KVTransferError(f"{len(prompt_token_ids)} prompt tokens, {r.num_tokens} reserved")
+            self.engine.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params)
+
+        self.hand_over(request_id, start)
+
+    def hand_over(self, request_id: str, use: Callable[[Reservation], None]) -> None:
+        """Take a committed transfer out of the table and give its blocks, which the engine holds
+        as a reservation, to `use(reservation)` (under the engine lock): it admits them, caches
+        them or releases them. Raises KVTransferError, or what `use` raises."""
         with self.engine_lock, self._cond:
             r = self.table.get(request_id)
             if r is None or r.state is not State.COMPLETE:
-                raise KVTransferError(f"request {request_id!r} has no complete transfer to admit")
-            if len(prompt_token_ids) > r.num_tokens:
-                raise KVTransferError(f"{len(prompt_token_ids)} prompt tokens, {r.num_tokens} reserved")
+                raise KVTransferError(f"request {request_id!r} has no complete transfer to hand over")
             self.table.pop(request_id)
-            self.engine.add_prefilled_request(request_id, prompt_token_ids, first_token_id, params)
+            use(r)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if leases and the engine's blocks disagree."""

@@ -9,6 +9,7 @@ and the server's stream deadline free the blocks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,7 +23,7 @@ from kv_transfer.server import SERVICE
 from kv_transfer.status import as_transfer_error
 from protos.gen import kv_transfer_pb2 as pb
 
-__all__ = ["KVPush", "KVTransferClient"]
+__all__ = ["KVClients", "KVPush", "KVTransferClient"]
 
 
 class KVTransferClient:
@@ -143,3 +144,26 @@ class KVTransferClient:
         self._opener.shutdown(wait=False)
         self._channel.close()
         self._shm_pool.close()
+
+
+class KVClients:
+    """One KVTransferClient per peer endpoint, made on first use and kept: every transfer to a
+    peer is a stream on one long-lived channel, with no per-request connection or thread setup."""
+
+    def __init__(self, make: Callable[[str], KVTransferClient]) -> None:
+        self._make = make
+        self._clients: dict[str, KVTransferClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str) -> KVTransferClient:
+        with self._lock:
+            c = self._clients.get(endpoint)
+            if c is None:
+                c = self._clients[endpoint] = self._make(endpoint)
+            return c
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()

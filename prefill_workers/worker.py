@@ -17,12 +17,16 @@ from engine.messages import TokenOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerBase
+from kv_transfer import write_back
 from kv_transfer.errors import KVTransferError
 from kv_transfer.push import KVPush
+from kv_transfer.receiver import KVReceiver
 from kv_transfer.security import KVTLSConfig
-from kv_transfer.sender import KVTransferClient
+from kv_transfer.sender import KVClients, KVTransferClient
+from kv_transfer.server import KVTransferServer
 from kv_transfer.stats import TransferStats
 from kv_transfer.streaming import LayerStreamer
+from kv_transfer.write_back import WriteBackTicket
 from protos.gen import kv_transfer_pb2 as pb
 
 _POLL_S = 0.25
@@ -55,22 +59,38 @@ class PrefillWorker(WorkerBase):
         transport: str = "grpc",
         timeout_s: float = 10.0,
         tls: KVTLSConfig | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
-        """`tls`: dial decode workers' KV endpoints over TLS; None: plaintext."""
+        """`tls`: dial decode workers' KV endpoints over TLS (and serve write-backs over it);
+        None: plaintext. `host`: where this worker's KV endpoint, for write-backs, listens."""
         super().__init__(worker_id, model_path, config)
         self.transport = transport
         self.timeout_s = timeout_s
         self.tls = tls
         self.streamer = LayerStreamer(self.engine)
-        self._clients: dict[str, KVTransferClient] = {}
-        self._clients_lock = threading.Lock()
+        self.clients = KVClients(lambda endpoint: KVTransferClient(endpoint, transport, timeout_s, tls=tls))
+        self.host = host
+        self._inbound: tuple[KVReceiver, KVTransferServer] | None = None
+        self._inbound_lock = threading.Lock()
 
-    def _client(self, endpoint: str) -> KVTransferClient:
-        with self._clients_lock:
-            c = self._clients.get(endpoint)
-            if c is None:
-                c = self._clients[endpoint] = KVTransferClient(endpoint, self.transport, self.timeout_s, tls=self.tls)
-            return c
+    # ---- write-back (kv_transfer/write_back.py): decode workers copy answers' KV in here --------
+
+    def reserve_write_back(self, request_id: str, token_ids: list[int]) -> WriteBackTicket | None:
+        """Reserve what this cache lacks of `token_ids`' full blocks (None: nothing)."""
+        self._check_open()
+        return write_back.reserve_uncached(self._receiver(), request_id, token_ids)
+
+    def adopt_write_back(self, request_id: str, token_ids: list[int]) -> None:
+        """A committed write-back into the prefix cache."""
+        write_back.adopt(self._receiver(), request_id, token_ids)
+
+    def _receiver(self) -> KVReceiver:
+        """This worker's KV endpoint, started on the first write-back."""
+        with self._inbound_lock:
+            if self._inbound is None:
+                receiver = KVReceiver(self.engine, self.loop.lock)
+                self._inbound = receiver, KVTransferServer(receiver, host=self.host, tls=self.tls).start()
+            return self._inbound[0]
 
     def prefill(
         self,
@@ -88,7 +108,7 @@ class PrefillWorker(WorkerBase):
         self._check_open()
         res = pb.ReserveResponse.FromString(reservation)
         t0 = time.monotonic()
-        client = self._client(res.endpoint)
+        client = self.clients.get(res.endpoint)
         push = client.push(request_id, res)  # fails on its own if the receiver stops taking data
         self.streamer.track(request_id, push)
         try:
@@ -124,9 +144,16 @@ class PrefillWorker(WorkerBase):
         )
 
     def shutdown(self) -> None:
+        if self._inbound is not None:
+            self._inbound[1].stop(0)
         super().shutdown()
-        for c in self._clients.values():
-            c.close()
+        self.clients.close()
+
+    def check_integrity(self) -> None:
+        if self._inbound is not None:
+            self._inbound[0].check_integrity()  # the engine's too
+        else:
+            super().check_integrity()
 
 
 def _first_output(stream: RequestStream, push: KVPush) -> RequestOutput:

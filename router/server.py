@@ -74,6 +74,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="tokens a decode worker lacks of a prompt whose prefix it holds, under which it runs it whole "
         "(0: off; default: RoutingPolicy's)",
     )
+    ap.add_argument(
+        "--write-back",
+        action="store_true",
+        help="after each P/D turn, copy the answer's KV from the decode worker to the prefill worker's cache",
+    )
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
     ap.add_argument("--kv-tls-cert", default=env("TANDEM_KV_TLS_CERT"), help="PEM certificate: TLS on the KV channel")
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=threads or None),
         transport=args.transport,
         kv_tls=_kv_tls(args),
+        write_back=args.write_back,
     )
     started = time.monotonic()
     dtype = f"auto -> {config.engine.weight_dtype}" if args.dtype == "auto" else args.dtype  # as on this host

@@ -16,6 +16,7 @@ import ray
 
 from cluster.cluster import Cluster, ClusterConfig, WorkerDiedError
 from cluster.outputs import StreamOutput
+from cluster.routing import RoutingPolicy
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineError
@@ -170,6 +171,37 @@ def test_next_turn_runs_on_the_decode_worker_that_wrote_the_answer(cluster: Clus
     assert placement.prefill_worker == placement.decode_worker == holder
     assert placement.cached_tokens == len(hashes) * bs
     assert placement.transfer_bytes == 0
+    assert tokens_of(second) == engine_fp32.generate([turn2], GREEDY)[0].token_ids
+    cluster.check_integrity()
+
+
+def test_write_back_puts_the_answer_in_the_prefill_workers_cache(cluster: Cluster, engine_fp32: Engine) -> None:
+    """Option (b) of multi-turn reuse: after a P/D turn, the decode worker copies the answer's KV to
+    the prefill worker; turn 2 on P/D (local route off) then prefills only its new message there."""
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    ids = chat(engine_fp32, "Name three lakes in Africa and say one thing about each.")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    cluster.config.write_back = True
+    try:
+        first = list(cluster.generate(ids, params))
+    finally:
+        cluster.config.write_back = False
+    answer = tokens_of(first)
+    placement = first[0].placement
+    assert placement is not None and placement.prefill_worker != placement.decode_worker
+    writer = placement.prefill_worker
+    bs = cluster.config.engine.block_size
+    hashes = prefix_hashes(ids + answer[:-1], bs)  # what the decode worker ran
+    until(lambda: cluster.state.longest_prefix(hashes, [writer]).get(writer, 0) == len(hashes), 10, "the write-back")
+    cluster.check_integrity()  # the write-back's blocks: cached at ref 0 on the prefill side, held by none
+    turn2 = ids + answer + tok.encode("<|im_end|>\n<|im_start|>user\nAnd a fourth?<|im_end|>\n<|im_start|>assistant\n")
+    route = cluster.route(turn2, GREEDY, policy=RoutingPolicy(local_below_tokens=0))
+    assert route.prefill == writer and route.cached_tokens == len(hashes) * bs
+    second = list(cluster.generate(turn2, GREEDY, route=route))
+    placement = second[0].placement
+    assert placement is not None and placement.prefill_worker == writer
+    assert placement.cached_tokens == len(hashes) * bs
     assert tokens_of(second) == engine_fp32.generate([turn2], GREEDY)[0].token_ids
     cluster.check_integrity()
 

@@ -1,0 +1,127 @@
+"""Outboxes: a worker's outputs, batched per engine step for each subscriber (a router), taken by
+long polls. One message a step a subscriber, instead of one object a token a request.
+
+    engine loop ──step──▶ dispatch: each request's output into its subscriber's outbox
+                          after the step: wake every subscriber with something new
+    router ──take(sub, wait_s)──▶ [(request_id, output | error), ...]  everything since its last take
+
+Profiled before this (colocated, C = 8): each stream a Ray streaming generator on its own actor
+thread, waking per step to wrap, pickle and send one object per token, lengthened the engine's
+step through the GIL and the shared cores, the more the higher C.
+
+A subscriber that stops taking (its router died) is forgotten after `orphan_s`, and the requests
+it started are aborted, so that nothing runs or holds blocks for no one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.messages import TokenOutput
+from engine.outputs import RequestOutput
+
+# (request_id, its output, or why it failed)
+Item = tuple[str, TokenOutput | str]
+
+
+@dataclass
+class _Box:
+    items: list[Item] = field(default_factory=list)
+    requests: set[str] = field(default_factory=set)
+    taken: float = field(default_factory=time.monotonic)
+
+
+class Sink:
+    """A request's end of its subscriber's outbox: what EngineLoop puts its outputs into."""
+
+    def __init__(self, outboxes: Outboxes, subscriber: str, request_id: str) -> None:
+        self._outboxes = outboxes
+        self.subscriber = subscriber
+        self.request_id = request_id
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._outboxes.put(self, item)
+
+
+class Outboxes:
+    """Thread-safe. `abort(request_id)` is how a forgotten subscriber's requests are stopped."""
+
+    def __init__(self, abort: Callable[[str], object], orphan_s: float = 30.0) -> None:
+        self._abort = abort
+        self.orphan_s = orphan_s
+        self._boxes: dict[str, _Box] = {}
+        self._cond = threading.Condition()
+        self._dirty = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._reap, name="outbox-reaper", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _reap(self) -> None:
+        while not self._stop.wait(self.orphan_s / 4):
+            self._forget_orphans()
+
+    def sink(self, subscriber: str, request_id: str) -> Sink:
+        with self._cond:
+            self._boxes.setdefault(subscriber, _Box()).requests.add(request_id)
+        return Sink(self, subscriber, request_id)
+
+    def discard(self, sink: Sink) -> None:
+        """Forget a request that never started (its `open` raised)."""
+        with self._cond:
+            box = self._boxes.get(sink.subscriber)
+            if box is not None:
+                box.requests.discard(sink.request_id)
+
+    def put(self, sink: Sink, item: RequestOutput | BaseException) -> None:
+        """Queue one output; the subscriber wakes at `flush` (once a step), not here."""
+        entry = f"{type(item).__name__}: {item}" if isinstance(item, BaseException) else TokenOutput.of(item)
+        with self._cond:
+            box = self._boxes.get(sink.subscriber)
+            if box is None:  # forgotten: its router is gone
+                return
+            box.items.append((sink.request_id, entry))
+            if isinstance(entry, str) or entry.finished:
+                box.requests.discard(sink.request_id)
+            self._dirty = True
+
+    def flush(self) -> None:
+        """Wake the subscribers waiting in `take` (the engine loop calls this after each step)."""
+        with self._cond:
+            if self._dirty:
+                self._dirty = False
+                self._cond.notify_all()
+
+    def take(self, subscriber: str, wait_s: float) -> list[Item]:
+        """Everything queued for `subscriber` since its last take; waits up to `wait_s` for a
+        first item. A subscriber that has not taken for `orphan_s` is forgotten."""
+        end = time.monotonic() + wait_s
+        with self._cond:
+            box = self._boxes.setdefault(subscriber, _Box())
+            while not box.items and (left := end - time.monotonic()) > 0:
+                self._cond.wait(left)
+                box = self._boxes.setdefault(subscriber, _Box())
+            items, box.items = box.items, []
+            box.taken = time.monotonic()
+        return items
+
+    def _forget_orphans(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            gone = [s for s, b in self._boxes.items() if now - b.taken > self.orphan_s]
+            stranded = [rid for s in gone for rid in self._boxes.pop(s).requests]
+        for rid in stranded:
+            self._abort(rid)
+
+    def check_integrity(self, streaming: set[str]) -> None:
+        """Raise AssertionError unless every request an outbox waits on is one the engine loop
+        streams (`streaming`), and no request belongs to two subscribers."""
+        with self._cond:
+            owners = [rid for b in self._boxes.values() for rid in b.requests]
+        assert len(owners) == len(set(owners)), "a request in two outboxes"
+        stray = set(owners) - streaming
+        assert not stray, f"outboxes wait on requests the loop does not run: {sorted(stray)[:4]}"
