@@ -237,4 +237,5 @@ class Dispatcher:
         if trace.t_first:
             m.prompt_tokens.inc(trace.prompt_tokens)
             m.generation_tokens.inc(trace.completion_tokens)
-        access_log.info(trace.log_line())
+        if access_log.isEnabledFor(logging.INFO):  # the line costs ~70 us to build
+            access_log.info(trace.log_line())

@@ -150,6 +150,12 @@ class ChatCompletionRequest(_Common):
         return _encode(model, text, "messages")
 
     @property
+    def prompt_chars(self) -> int:
+        """Characters to template and tokenize."""
+        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                   for m in self.messages)  # fmt: skip
+
+    @property
     def logprobs_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -173,6 +179,12 @@ class CompletionRequest(_Common):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of must be 1", param="best_of")
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters to tokenize (none for token ids)."""
+        p = self.prompt
+        return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
     def prompt_ids(self, model: ModelInfo) -> list[int]:
         p = self.prompt

@@ -9,20 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare import (
-    COLOCATED_1X2,
-    COLOCATED_2X1,
-    FULL,
-    PD,
-    QUICK,
-    MixRun,
-    System,
-    base_rate,
-    class_slo,
-    evaluate,
-    print_report,
-    write_plots,
-)
+from bench.compare import COLOCATED_1X2, COLOCATED_2X1, FULL, PD, QUICK, System, base_rate
+from bench.compare_report import MixRun, class_slo, evaluate, print_report, write_plots
 from bench.stats import SLO, ClassSLO, RequestResult, attainment, goodput
 from bench.sweep import Point, Unloaded
 from bench.workloads import MIXES, LengthDist, make_items
