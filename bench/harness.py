@@ -154,10 +154,10 @@ def serving(cluster: Cluster, round_robin: bool = False, **settings: Any) -> Ite
     served by uvicorn on a thread. `settings` override RouterSettings fields. Yields the base URL.
     Raises RouterUnavailableError before starting anything when the router is not there."""
     create_app = create_app_fn()
-    backend: Any = importlib.import_module("router.backend").ClusterBackend(cluster)
+    router_settings = importlib.import_module("router.settings").RouterSettings(**settings)
+    backend: Any = importlib.import_module("router.backend").ClusterBackend(cluster, router_settings.routing_policy)
     if round_robin:
         backend = RoundRobinPrefill(backend, cluster)
-    router_settings = importlib.import_module("router.settings").RouterSettings(**settings)
     with uvicorn_thread(create_app(backend, router_settings)) as url:
         yield url
 

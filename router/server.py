@@ -176,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.join:
         os.environ.setdefault("RAY_ADDRESS", "auto")
     from cluster.cluster import Cluster, ClusterConfig
-    from cluster.routing import RoutingPolicy
     from engine.config import EngineConfig
     from engine.torch_threads import threads_per_worker
     from router.app import create_app
@@ -225,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = threading.Event()
         if joined:
             threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
-        policy = RoutingPolicy(settings.colocate_below_tokens, settings.local_below_tokens)
-        backend = ClusterBackend(cluster, policy)
+        backend = ClusterBackend(cluster, settings.routing_policy)
         app = create_app(backend, settings)
         url = f"http://{settings.host}:{settings.port}"
         print(f"ready in {time.monotonic() - started:.1f} s", flush=True)

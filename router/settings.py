@@ -44,6 +44,11 @@ class RouterSettings(BaseModel):
     min_priority: int = -100
     max_priority: int = 100
 
+    @property
+    def routing_policy(self) -> RoutingPolicy:
+        """The cluster's routing policy these settings ask for."""
+        return RoutingPolicy(self.colocate_below_tokens, self.local_below_tokens)
+
     @model_validator(mode="after")
     def _priority_range(self) -> RouterSettings:
         if self.min_priority > self.max_priority:
