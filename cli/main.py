@@ -23,6 +23,7 @@ BENCHES = {
     "router": "bench.router_overhead",
     "chaos": "bench.chaos",
     "efficiency": "bench.efficiency",
+    "spec": "bench.spec_bench",
 }
 
 

@@ -65,6 +65,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     role: Role = "both"
     num_threads: int | None = None
+    speculative: str = ""  # "ngram": prompt-lookup drafts verified each step (engine/speculation.py)
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -75,6 +77,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.speculative not in ("", "ngram") or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative must be '' or 'ngram' with num_speculative_tokens >= 1, got "
+                             f"{self.speculative!r}, {self.num_speculative_tokens}")  # fmt: skip
 
     @property
     def weight_dtype(self) -> str:

@@ -32,6 +32,7 @@ from engine.runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculation import Speculator
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint
 
@@ -50,6 +51,9 @@ class Engine:
         self.cache = PagedKVCache(model.config, config.num_blocks, config.block_size, model.dtype)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.kv)
+        self.speculator: Speculator | None = None  # prefill workers never decode: no drafts
+        if config.speculative and config.role != "prefill":
+            self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()
@@ -140,17 +144,13 @@ class Engine:
     # ---- write-back: a finished answer's KV copied into another engine's prefix cache ----------
 
     def hold_cached(self, holder_id: str, token_ids: Sequence[int]) -> list[int]:
-        """Keep the cached run of `token_ids`' full blocks from eviction until `release(holder_id)`
-        (the source side, while it reads them); their block ids. Raises DuplicateRequestError."""
+        """The source side: `KVCacheManager.hold_cached`, until `release(holder_id)`."""
         self._check_new_id(holder_id)
-        blocks = self.kv.hold_cached(holder_id, token_ids)
         self._reserved.add(holder_id)
-        return blocks
+        return self.kv.hold_cached(holder_id, token_ids)
 
     def reserve_uncached(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """The receiving side: (tokens of `token_ids` already cached here, a new block for each
-        full block after them), to be written from outside, then `adopt`ed or `release`d.
-        Raises NoFreeBlocksError, DuplicateRequestError."""
+        """The target side: `KVCacheManager.reserve_uncached`, then `adopt` or `release`."""
         self._check_new_id(request_id)
         cached, blocks = self.kv.reserve_uncached(request_id, token_ids)
         self._reserved.add(request_id)
@@ -169,13 +169,23 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return every request with new tokens or a finish."""
         results, self._pending = self._pending, []
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.num_tokens:
             sampled = self.runner.execute(out, self.layer_hook(out) if self.layer_hook else None)
             self.scheduler.advance(out)
-            done = [c for c in out.chunks if c.completes]
-            for c, tok, lp in zip(done, sampled.token_ids, sampled.logprobs, strict=True):
-                results.append(self._append_token(c.request, tok, lp))
+            row = 0
+            for c in out.chunks:
+                if not c.completes:
+                    continue
+                n = len(c.draft) + 1  # samples of this chunk
+                toks, lps = sampled.token_ids[row : row + n], sampled.logprobs[row : row + n]
+                row += n
+                if c.draft and self.speculator is not None:
+                    results.append(self.speculator.accept(c, toks, lps, self._append_token))
+                else:
+                    results.append(self._append_token(c.request, toks[0], lps[0]))
         return results
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> list[Completion]:

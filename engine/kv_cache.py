@@ -171,6 +171,16 @@ class KVCacheManager:
         self._hashes[request_id] = []
         return list(table)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past the first `num_tokens` slots, last first (a rejected
+        speculative draft's). Its hashed blocks all lie within them. Raises UnknownRequestError."""
+        table = self._table(request_id)
+        keep = -(-num_tokens // self.block_size)
+        assert len(self._hashes[request_id]) <= keep, f"request {request_id!r}: trimming a hashed block"
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks in reverse table order, so tail blocks are evicted first.
 

@@ -31,6 +31,7 @@ class Request:
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    draft: tuple[int, ...] = ()  # tokens to verify in the next step (engine/speculation.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

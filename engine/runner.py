@@ -24,30 +24,37 @@ class ModelRunner:
         self.block_size = cache.block_size
 
     def execute(self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None) -> SamplerOutput:
-        """Run one step; returns one sample per completing chunk, in `out.chunks` order."""
+        """Run one step; returns one sample per completing chunk, in `out.chunks` order (a chunk
+        with a draft of k tokens: k + 1 samples, one a position)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         completing: list[ScheduledChunk] = []
-        tables = [self.kv.block_table(c.request.request_id) for c in out.decodes]
-        for c, table in zip(out.decodes, tables, strict=True):
-            p = c.start
-            ids.append(c.request.token_ids[p])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+        # a decode runs one row; a decode with a draft of k tokens k + 1 rows, each attending to
+        # its own position's context (the draft's KV is written before attention reads it)
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for c in out.decodes:
+            table = self.kv.block_table(c.request.request_id)
+            for i, tok in enumerate(c.token_ids):
+                p = c.start + i
+                ids.append(tok)
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                tables.append(table)
+                lens.append(p + 1)
             if c.completes:
-                logits_rows.append(len(ids) - 1)
+                logits_rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
                 completing.append(c)
         decode_tables = decode_mask = None
-        if out.decodes:
-            max_blocks = max((c.end + bs - 1) // bs for c in out.decodes)
+        if tables:
+            max_blocks = max((n + bs - 1) // bs for n in lens)
             decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
-            lens = torch.tensor([c.end for c in out.decodes])
-            decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)).view(
-                len(out.decodes), 1, 1, -1
-            )  # [D, 1, 1, L]
+            decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).view(
+                len(tables), 1, 1, -1
+            )  # [rows, 1, 1, L]
         prefills: list[PrefillChunk] = []
         for c in out.prefills:
             table = self.kv.block_table(c.request.request_id)
@@ -62,7 +69,7 @@ class ModelRunner:
                 completing.append(c)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots),
-            num_decodes=len(out.decodes),
+            num_decodes=len(tables),
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
@@ -75,6 +82,8 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long),
             on_layer_done,
         )
-        params = [c.request.params for c in completing]
-        index = [c.request.num_output_tokens + c.request.params.output_offset for c in completing]
+        # a drafted position i samples with output index n + i: the draw it would get unspeculated
+        params = [c.request.params for c in completing for _ in range(len(c.draft) + 1)]
+        index = [c.request.num_output_tokens + c.request.params.output_offset + i
+                 for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
         return self.sampler(logits, params, index)

@@ -33,6 +33,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     output_offset: int = 0
+    speculate: bool = True  # False: no draft is verified for this request (engine/speculation.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

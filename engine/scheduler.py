@@ -19,11 +19,13 @@ from engine.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_new_tokens` tokens of `request`, from position `start`, run this step."""
+    """`num_new_tokens` tokens of `request`, from position `start`, run this step: its own
+    tokens, then `draft` (speculative tokens to verify, engine/speculation.py)."""
 
     request: Request
     start: int
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -32,12 +34,16 @@ class ScheduledChunk:
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the request's last token, so its logits are sampled."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start : self.end - len(self.draft)] + list(self.draft)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What the model runs in one step. Single-token chunks (decodes) come first."""
+    """What the model runs in one step. Decodes (one token, with or without a draft) come first."""
 
     decodes: list[ScheduledChunk]
     prefills: list[ScheduledChunk]
@@ -49,7 +55,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(c.num_new_tokens for c in self.prefills)
+        return sum(c.num_new_tokens for c in self.decodes) + sum(c.num_new_tokens for c in self.prefills)
 
 
 class Scheduler:
@@ -83,6 +89,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft, req.draft = (req.draft if n == 1 and len(req.draft) < budget else ()), ()
+            n += len(draft)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -90,7 +98,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, draft))
                 budget -= n
                 i += 1
         while self._waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -113,8 +121,8 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return SchedulerOutput(
-            decodes=[c for c in chunks if c.num_new_tokens == 1],
-            prefills=[c for c in chunks if c.num_new_tokens > 1],
+            decodes=[c for c in chunks if c.num_new_tokens == 1 or c.draft],
+            prefills=[c for c in chunks if c.num_new_tokens > 1 and not c.draft],
             preempted=preempted,
         )
 
@@ -124,12 +132,16 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
         req.num_preemptions += 1
+        req.draft = ()
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (req.sort_key, req))
 
     def advance(self, out: SchedulerOutput) -> None:
-        """Record that every scheduled chunk's KV has been computed, and cache full blocks."""
+        """Record that every scheduled chunk's KV has been computed, and cache full blocks. A
+        chunk with a draft is recorded by the engine, once it knows what was accepted."""
         for c in out.chunks:
+            if c.draft:
+                continue
             c.request.num_computed_tokens = c.end
             self.kv.cache_full_blocks(c.request.request_id, c.request.token_ids, c.end)
 

@@ -140,6 +140,7 @@ class WorkerBase:
                 "free_blocks": e.kv.num_free_blocks,
                 "num_blocks": e.config.num_blocks,
                 "kv_usage": e.kv.usage,
+                **(e.speculator.stats() if e.speculator is not None else {}),
             }
         finally:
             self.loop.lock.release()

@@ -54,6 +54,17 @@ class Metrics:
             f"{P}kv_transfer_gbps", "KV transfer throughput per request (GB/s).", registry=r, buckets=_GBPS
         )
 
+        # speculative decoding, per worker (running totals read from its heartbeat; vLLM's names)
+        spec = {
+            "spec_decode_num_drafts": "Drafts verified.",
+            "spec_decode_num_draft_tokens": "Draft tokens verified.",
+            "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+        }
+        self.spec = {k: Gauge(f"{P}{k}", doc, ["worker"], registry=r) for k, doc in spec.items()}
+        self.spec_per_pos = Gauge(f"{P}spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft.", ["worker", "position"],
+                                  registry=r)  # fmt: skip
+
     def observe_first(self, p: Placement) -> None:
         """The first token's breakdown: prefill time, prefix hit, and the KV transfer if any."""
         self.prefill_time.observe(p.prefill_s)
@@ -66,9 +77,17 @@ class Metrics:
 
     def set_workers(self, workers: Sequence[dict[str, Any]]) -> None:
         self.kv_usage.clear()
+        for g in (*self.spec.values(), self.spec_per_pos):
+            g.clear()
         for w in workers:
+            wid = str(w.get("worker_id"))
             if "kv_usage" in w:
-                self.kv_usage.labels(str(w.get("worker_id")), str(w.get("role"))).set(float(w["kv_usage"]))
+                self.kv_usage.labels(wid, str(w.get("role"))).set(float(w["kv_usage"]))
+            for k, g in self.spec.items():
+                if k in w:
+                    g.labels(wid).set(float(w[k]))
+            for pos, n in enumerate(w.get("spec_decode_num_accepted_tokens_per_pos") or []):
+                self.spec_per_pos.labels(wid, str(pos)).set(float(n))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

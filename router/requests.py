@@ -48,6 +48,7 @@ class _Common(_Body):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     priority: int = 0  # extension: lower runs first (vLLM's convention); clamped to the router's range
+    speculate: bool = True  # extension: false opts this request out of speculative decoding
 
     @property
     def include_usage(self) -> bool:
@@ -95,6 +96,7 @@ class _Common(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             priority=self.priority,
+            speculate=self.speculate,
         )
 
 

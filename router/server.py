@@ -75,6 +75,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(0: off; default: RoutingPolicy's)",
     )
     ap.add_argument(
+        "--speculative",
+        default=env("TANDEM_SPECULATIVE", "off"),
+        choices=["off", "ngram"],
+        help="decode and colocated workers verify drafts each step: ngram = prompt lookup (exact; off by default)",
+    )
+    ap.add_argument(
         "--write-back",
         action="store_true",
         help="after each P/D turn, copy the answer's KV from the decode worker to the prefill worker's cache",
@@ -202,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         prefill=prefill,
         decode=decode,
         colocated=args.colocated,
-        engine=EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks, num_threads=threads or None),
+        engine=EngineConfig(
+            dtype=args.dtype,
+            num_blocks=args.num_blocks,
+            num_threads=threads or None,
+            speculative="" if args.speculative == "off" else args.speculative,
+        ),
         transport=args.transport,
         kv_tls=_kv_tls(args),
         write_back=args.write_back,

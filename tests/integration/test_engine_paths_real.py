@@ -80,3 +80,30 @@ def test_prefill_engine_then_decode_engine(engine_fp32: Engine) -> None:
             prefill.check_integrity()
             decode.check_integrity()
     assert prefill.kv.num_free_blocks == decode.kv.num_free_blocks == 128
+
+
+def test_speculation_gives_the_tokens_of_no_speculation(engine_fp32: Engine) -> None:
+    """Prompt-lookup speculation (engine/speculation.py), fp32: greedy, seeded sampling with
+    logprobs, and a stop string crossed inside an accepted run, token for token as without it."""
+    assert engine_fp32.tokenizer is not None
+    text = "The lighthouse keeper climbed the stairs at dusk, lit the lamp, and watched the ships pass."
+    copy = engine_fp32.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this sentence twice, word for word: {text}"}]
+    )
+    prompts = [copy, *chats(engine_fp32)]
+    spec = sibling(engine_fp32, num_blocks=512, speculative="ngram")
+    settings = [
+        SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=3, logprobs=2),
+        SamplingParams(max_tokens=48, temperature=0, stop=["ships"]),
+    ]
+    for params in settings:
+        off = engine_fp32.generate(prompts, params)
+        on = spec.generate(prompts, params)
+        for a, b in zip(on, off, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert [x.token_id for x in a.logprobs] == [x.token_id for x in b.logprobs]
+            assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        spec.check_integrity()
+    assert off[0].finish_reason == "stop" and off[0].text.endswith("and watched the ")
+    assert spec.speculator is not None and spec.speculator.accepted > 20

@@ -48,6 +48,7 @@ class FakeBackend:
     started: list[str] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
+    params: list[SamplingParams] = field(default_factory=list)  # each generate's, in order
 
     def __post_init__(self) -> None:
         self.model = ModelInfo("fake-model", self.tokenizer, self.max_model_len, 1700000000)
@@ -70,6 +71,7 @@ class FakeBackend:
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
     ) -> Iterator[StreamOutput]:
         self.started.append(request_id)
+        self.params.append(params)
         try:
             if self.gate is not None:
                 self.gate.wait(10)

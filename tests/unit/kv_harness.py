@@ -80,12 +80,14 @@ def make_pair(
     max_chunk_bytes: int | None = None,
     min_message_bytes: int = 1,
     server_kw: Mapping[str, Any] | None = None,
+    decode_kw: Mapping[str, Any] | None = None,
     **prefill_kw: object,
 ) -> Pair:
     """Tiny prefill and decode engines (256 blocks of 4 tokens each), a KV server on loopback
-    with the test cluster secret; `server_kw` go to KVTransferServer. `min_message_bytes`: the
+    with the test cluster secret; `server_kw` go to KVTransferServer, `decode_kw` to the decode
+    engine's config. `min_message_bytes`: the
     streamer's (default: a message a layer, as long prompts send)."""
-    decode = make_engine(model, num_blocks=256, role="decode")
+    decode = make_engine(model, num_blocks=256, role="decode", **(decode_kw or {}))
     prefill = make_engine(model, num_blocks=256, role="prefill", **prefill_kw)
     lock = threading.RLock()
     receiver = KVReceiver(decode, lock, lease_s=lease_s, max_chunk_bytes=max_chunk_bytes)

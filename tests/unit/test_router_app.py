@@ -196,6 +196,19 @@ def test_metrics_move_with_traffic(backend: FakeBackend) -> None:
     assert sample(after, "tandem:kv_cache_usage_perc", {"worker": "d0"}) == 0.0
 
 
+def test_speculation_opt_out_reaches_the_backend_and_its_counters_are_exported(backend: FakeBackend) -> None:
+    spec = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 9, "spec_decode_num_accepted_tokens": 6}
+    backend.workers[1].update(spec, spec_decode_num_accepted_tokens_per_pos=[3, 2, 1])
+    c = client(backend)
+    c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, "speculate": False})
+    c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2})
+    assert [p.speculate for p in backend.params] == [False, True]
+    text = c.get("/metrics").text
+    assert sample(text, "tandem:spec_decode_num_draft_tokens", {"worker": "d0"}) == 9
+    assert sample(text, "tandem:spec_decode_num_accepted_tokens", {"worker": "d0"}) == 6
+    assert sample(text, "tandem:spec_decode_num_accepted_tokens_per_pos", {"worker": "d0", "position": "1"}) == 2
+
+
 def test_one_json_log_line_per_request(backend: FakeBackend, caplog: pytest.LogCaptureFixture) -> None:
     c = client(backend)
     with caplog.at_level("INFO", logger="tandem.router.requests"):

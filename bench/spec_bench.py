@@ -1,0 +1,167 @@
+"""`tandem bench spec`: speculative decoding off vs on, same engine weights, threads and prompts.
+
+    single     one request at a time, greedy: decode tok/s (output tokens after the first / the
+               time after the first), speculation off and on; the ratio
+    batch16    16 requests at once: total output tok/s, off and on; the ratio
+    acceptance draft tokens accepted / verified; mean accepted length = accepted / drafts
+
+Workloads (chat prompts, the model's template):
+    summarize   copy the sentences of a passage that mention a word (the answer copies spans)
+    code_edit   rewrite a given function with one change
+    agentic     the same tool-call-style prompt with small variations, many times
+    chat        open questions (little to copy: low acceptance expected)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_files import default_model_path
+from engine.sampling_params import SamplingParams
+
+PASSAGE = (
+    "The lighthouse stood on the northern cape. Every evening the keeper climbed its stairs. "
+    "Ships passed the cape in the dark and the light kept them off the rocks. The keeper wrote "
+    "each ship's name in a log. In winter the storms broke over the cape and the light burned all "
+    "night. The keeper's daughter learned to trim the wick. One spring a steamer ran aground on "
+    "the southern shoal, far from the light. The keeper rowed out and brought the crew ashore. "
+)
+FUNCTION = '''def merge_intervals(intervals):
+    """Merge overlapping intervals; return them sorted by start."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]
+'''
+TOOL = (
+    "You are an agent. Answer with one JSON tool call and nothing else, in this form:\n"
+    '{"tool": "get_weather", "arguments": {"city": "<city>", "unit": "celsius", "days": 3}}\n'
+    "Task: get the weather for {city} for the next three days in celsius."
+)
+CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Perth", "Dakar"] * 2
+QUESTIONS = [
+    "Why is the sky blue?", "What makes a good friend?", "How do bees find flowers?",
+    "Why do we dream?", "What is the best way to learn a language?", "Why do leaves change colour?",
+    "How does a bicycle stay upright?", "What is a black hole?",
+] * 2  # fmt: skip
+
+
+def workloads() -> dict[str, list[str]]:
+    """Per workload, 16 user messages (the single-stream run takes the first)."""
+    summarize = [f"Copy, word for word, every sentence of this text that mentions the {w}:\n\n{PASSAGE}"
+                 for w in ("keeper", "cape", "light", "ships") * 4]  # fmt: skip
+    renames = (("intervals", "spans"), ("merged", "out"), ("ordered", "by_start"), ("last", "prev")) * 4
+    code = [f"Rewrite this Python code, renaming `{a}` to `{b}` everywhere. Output only the code.\n\n{FUNCTION}"
+            for a, b in renames]  # fmt: skip
+    return {
+        "summarize": summarize,
+        "code_edit": code,
+        "agentic": [TOOL.replace("{city}", c) for c in CITIES],
+        "chat": QUESTIONS,
+    }
+
+
+@dataclass
+class Timing:
+    tokens: int
+    decode_s: float  # after each request's first token, summed over requests run alone
+    wall_s: float
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Timing:
+    """All prompts at once; a request's decode time runs from its first output to its last."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    n = 0
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}-{t0}", p, params)
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            first.setdefault(o.request_id, now)
+            last[o.request_id] = now
+            n += len(o.new_token_ids)
+    decode = sum(last[r] - first[r] for r in last)
+    return Timing(n, decode, time.perf_counter() - t0)
+
+
+def chat_prompts(engine: Engine, msgs: list[str]) -> list[list[int]]:
+    tok = engine.tokenizer
+    assert tok is not None
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}])) for m in msgs]
+
+
+def measure(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Off ("off") against on ("ngram"): the first prompt alone, then all of them at once."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)  # every run its full length
+    out: dict[str, Any] = {}
+    for mode, e in engines.items():
+        s = e.speculator
+        before = (s.drafts, s.drafted, s.accepted) if s is not None else (0, 0, 0)
+        single = run(e, prompts[:1], greedy)
+        after = (s.drafts, s.drafted, s.accepted) if s is not None else (0, 0, 0)
+        batch = run(e, prompts, replace(greedy, max_tokens=max_tokens // 2))
+        drafts, drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
+        out[mode] = {
+            "single_tok_s": (single.tokens - 1) / single.decode_s if single.decode_s else None,
+            "batch16_tok_s": batch.tokens / batch.wall_s,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_len": accepted / drafts if drafts else None,
+        }
+    on, off = out["ngram"], out["off"]
+    return {
+        "single_speedup": on["single_tok_s"] / off["single_tok_s"],
+        "batch16_speedup": on["batch16_tok_s"] / off["batch16_tok_s"],
+        "acceptance_rate": on["acceptance_rate"],
+        "mean_accepted_len": on["mean_accepted_len"],
+        **{f"{mode}_{k}": v for mode, figs in out.items() for k, v in figs.items() if "tok_s" in k},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128, help="single stream; batch16 runs half of it")
+    ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    config = EngineConfig(dtype=args.dtype, num_threads=args.threads, num_blocks=2048)
+    base = Engine.from_path(default_model_path(), config)
+    engines = {"off": base, "ngram": Engine(base.model, base.tokenizer, replace(config, speculative="ngram"))}
+    warm = SamplingParams(max_tokens=8, temperature=0)
+    for e in engines.values():
+        e.generate(["Hello there."] * 4, warm)
+    chosen = [w for w in args.only.split(",") if w] or list(workloads())
+    res: dict[str, Any] = {"dtype": config.weight_dtype, "threads": args.threads}
+    for name in chosen:
+        res[name] = measure(engines, chat_prompts(base, workloads()[name]), args.max_tokens)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"speculative decoding (prompt lookup) vs off, {res['dtype']}, {args.threads} threads, greedy")
+    print(f"{'workload':<11}{'single off':>11}{'on':>8}{'ratio':>7}{'batch16 off':>13}{'on':>8}{'ratio':>7}"
+          f"{'accept':>8}{'mean len':>9}")  # fmt: skip
+    for name in chosen:
+        r = res[name]
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        mlen = "-" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
+        print(f"{name:<11}{r['off_single_tok_s']:>11.1f}{r['ngram_single_tok_s']:>8.1f}{r['single_speedup']:>6.2f}x"
+              f"{r['off_batch16_tok_s']:>13.1f}{r['ngram_batch16_tok_s']:>8.1f}{r['batch16_speedup']:>6.2f}x"
+              f"{acc:>8}{mlen:>9}")  # fmt: skip
+    return 0

@@ -1,0 +1,157 @@
+"""Speculative decoding (engine/speculation.py) on a tiny random model: speculation on gives what
+speculation off gives, token for token, for greedy and seeded sampling, at max_tokens boundaries,
+with stop tokens and under preemption; the KV of rejected drafts is rolled back and the prefix
+cache never hashes an unverified token. Plus the drafter and the policy as pure functions."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from engine.engine import Engine
+from engine.kv_cache import prefix_hashes
+from engine.model import LlamaModel
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.speculation import Draft, PromptLookup, accepted, verify_len
+from tests.unit.kv_harness import make_pair
+from tests.unit.tiny import make_engine
+
+BS = 4
+
+
+def looping(i: int, n: int = 24) -> list[int]:
+    """A prompt that repeats itself, so that prompt lookup has something to draft."""
+    motif = [(7 * i + 3 * j) % 120 + 1 for j in range(5)]
+    return (motif * (n // 5 + 1))[:n]
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[RequestOutput]]:
+    """Run the requests to the end, checking integrity and the prefix cache after every step."""
+    outs: dict[str, list[RequestOutput]] = {}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+        outs[f"r{i}"] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+        engine.check_integrity()
+        for req in engine.scheduler.running:  # only verified tokens are hashed
+            hashes = engine.kv.block_hashes(req.request_id)
+            assert len(hashes) <= req.num_computed_tokens // BS
+            assert hashes == prefix_hashes(req.token_ids[: len(hashes) * BS], BS)
+    return outs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+SETTINGS = [
+    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=1.3, top_k=7, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.6, top_p=0.8, seed=2, ignore_eos=True, logprobs=3),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["greedy", "t0.8", "t1.3-k7", "t0.6-p0.8-lp"])
+def test_speculation_gives_the_tokens_of_no_speculation(tiny_model: LlamaModel, params: SamplingParams) -> None:
+    prompts = [looping(i, 12 + 5 * i) for i in range(6)]
+    off = run(make_engine(tiny_model, num_blocks=256), prompts, [params] * 6)
+    spec = make_engine(tiny_model, num_blocks=256, speculative="ngram")
+    on = run(spec, prompts, [params] * 6)
+    for rid in off:
+        assert tokens(on[rid]) == tokens(off[rid]), rid
+        assert on[rid][-1].finish_reason == off[rid][-1].finish_reason == "length"
+        lp_on = [lp for o in on[rid] for lp in o.logprobs]
+        lp_off = [lp for o in off[rid] for lp in o.logprobs]
+        assert [x.token_id for x in lp_on] == [x.token_id for x in lp_off]
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(lp_on, lp_off, strict=True))
+    assert spec.speculator is not None and spec.speculator.drafted > 0
+    assert 0 < spec.speculator.accepted < spec.speculator.drafted, "both acceptances and rejections ran"
+    assert spec.kv.num_free_blocks == 256
+
+
+def test_max_tokens_stop_tokens_and_preemption_behave_as_without_speculation(tiny_model: LlamaModel) -> None:
+    rng = random.Random(0)
+    prompts = [looping(i, rng.randrange(8, 30)) for i in range(10)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 30), temperature=rng.choice([0, 0.7]), seed=i,
+                             ignore_eos=True) for i in range(10)]  # fmt: skip
+    free = run(make_engine(tiny_model, num_blocks=256), prompts, params)
+    for i in range(0, 10, 3):  # a stop token that the answer holds, a few tokens in
+        answer = tokens(free[f"r{i}"])
+        params[i] = replace(params[i], stop_token_ids=[answer[len(answer) // 2]])
+    off = run(make_engine(tiny_model, num_blocks=256), prompts, params)
+    # 40 blocks of 4 for 10 requests of up to ~60 tokens: preemptions, drafts pending among them
+    spec = make_engine(tiny_model, num_blocks=40, speculative="ngram", max_num_batched_tokens=32)
+    preempted: list[str] = []
+    schedule = spec.scheduler.schedule
+
+    def counted() -> SchedulerOutput:  # a wrapper on the public method: counts, changes nothing
+        out = schedule()
+        preempted.extend(out.preempted)
+        return out
+
+    spec.scheduler.schedule = counted  # type: ignore[method-assign]
+    on = run(spec, prompts, params)
+    for rid in off:
+        assert tokens(on[rid]) == tokens(off[rid]), rid
+        assert on[rid][-1].finish_reason == off[rid][-1].finish_reason
+        assert on[rid][-1].num_output_tokens == off[rid][-1].num_output_tokens
+    assert {off[f"r{i}"][-1].finish_reason for i in range(0, 10, 3)} == {"stop"}
+    assert preempted, "the small cache preempted requests"
+    assert spec.speculator is not None and spec.speculator.accepted > 0
+    assert spec.kv.num_free_blocks == 40
+
+
+def test_the_decode_side_of_pd_speculates_to_the_same_tokens(tiny_model: LlamaModel) -> None:
+    pair = make_pair(tiny_model, decode_kw={"speculative": "ngram"})
+    try:
+        client = pair.client()
+        params = SamplingParams(max_tokens=30, temperature=0.9, seed=4, ignore_eos=True)
+        prompts = [looping(i, 10 + 3 * i) for i in range(4)]
+        for i, prompt in enumerate(prompts):
+            first, _, _ = pair.transfer(client, f"p{i}", prompt, params)
+            pair.receiver.wait(f"p{i}", 2.0)
+            pair.receiver.admit(f"p{i}", prompt, first.new_token_ids[0], params)
+        got: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+        while pair.decode.has_unfinished():
+            for o in pair.decode.step():
+                got[o.request_id] += o.new_token_ids
+            pair.decode.check_integrity()
+        alone = make_engine(tiny_model, num_blocks=256).generate(prompts, params)
+        assert [got[f"p{i}"] for i in range(len(prompts))] == [c.token_ids for c in alone]
+        assert pair.decode.speculator is not None and pair.decode.speculator.accepted > 0
+        client.close()
+    finally:
+        pair.close()
+
+
+def test_prompt_lookup_drafts_what_followed_the_longest_tail() -> None:
+    d = PromptLookup(max_draft=3)
+    d.update([1, 2, 3, 4, 5, 9, 2, 3, 4])
+    assert d.propose().token_ids == (5, 9, 2)  # tail [2, 3, 4] seen at 1..3, followed by 5, 9, 2
+    d.update([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 7])
+    assert d.propose() == Draft((), ())  # [4, 7, 7], [7, 7] never seen before
+    d.update([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 7, 2, 3])
+    assert d.propose().token_ids == (4, 7, 7), "the latest occurrence wins"
+
+
+def test_verify_len_keeps_the_confident_prefix_and_less_under_load() -> None:
+    draft = Draft((1, 2, 3, 4), (0.9, 0.8, 0.5, 0.9))  # cumulative: 0.9, 0.72, 0.36, 0.324
+    assert verify_len(draft, running=1) == 4  # threshold 0.2
+    assert verify_len(draft, running=5) == 2  # 0.38
+    assert verify_len(draft, running=11) == 2  # 0.65
+    assert verify_len(draft, running=16) == 1  # 0.875
+    assert verify_len(draft, running=40) == 0  # capped at 0.95
+    assert verify_len(Draft((), ()), running=1) == 0
+
+
+def test_accepted_counts_the_confirmed_prefix() -> None:
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted([5], [4, 1]) == 0
