@@ -57,7 +57,7 @@ class NullBackend:
         return {"desired": {"colocated": 1}, "workers": [worker]}
 
     def scale(self, role: str, replicas: int) -> None:
-        raise NotImplementedError("the null backend has one fixed worker: it cannot scale")
+        raise RuntimeError("the null backend has one fixed worker: it cannot scale")
 
     def drain(self, worker_id: str) -> bool:
         return False

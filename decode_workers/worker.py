@@ -8,7 +8,7 @@ request here. `generate` streams one request's outputs to an in-process caller.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
@@ -19,7 +19,7 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.security import KVTLSConfig
 from kv_transfer.sender import KVClients, KVTransferClient
 from kv_transfer.server import KVTransferServer
-from kv_transfer.write_back import WriteBackResult, WriteBackSource, WriteBackTicket
+from kv_transfer.write_back import Adopt, Reserve, WriteBackResult, WriteBackSource
 
 
 class DecodeWorker(WorkerBase):
@@ -86,11 +86,7 @@ class DecodeWorker(WorkerBase):
         )
 
     def send_write_back(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        reserve: Callable[[list[int]], WriteBackTicket | None],
-        adopt: Callable[[list[int]], None],
+        self, request_id: str, token_ids: Sequence[int], reserve: Reserve, adopt: Adopt
     ) -> WriteBackResult | None:
         """Copy the KV of a finished turn (`token_ids`: its prompt and answer) that a prefill worker
         lacks into that worker's prefix cache; `reserve` and `adopt` call it (kv_transfer/write_back.py)."""

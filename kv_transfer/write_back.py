@@ -56,6 +56,11 @@ class WriteBackResult:
     seconds: float
 
 
+# the calls to the target a source makes: its reserve_uncached and adopt, given the tokens
+Reserve = Callable[[list[int]], WriteBackTicket | None]
+Adopt = Callable[[list[int]], None]
+
+
 # ---- the target (a prefill worker) -----------------------------------------------------------
 
 
@@ -90,13 +95,7 @@ class WriteBackSource:
         self.lock = lock
         self.clients = clients
 
-    def push(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        reserve: Callable[[list[int]], WriteBackTicket | None],
-        adopt: Callable[[list[int]], None],
-    ) -> WriteBackResult | None:
+    def push(self, request_id: str, token_ids: Sequence[int], reserve: Reserve, adopt: Adopt) -> WriteBackResult | None:
         """Copy the KV of `token_ids` that this engine holds and the target lacks. `reserve` and
         `adopt` call the target (its `reserve_uncached` and `adopt` under `request_id`). None when
         there was nothing to send. Raises KVTransferError, or what `reserve` and `adopt` raise."""
