@@ -65,7 +65,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     role: Role = "both"
     num_threads: int | None = None
-    speculative: str = ""  # "ngram": prompt-lookup drafts verified each step (engine/speculation.py)
+    speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
     num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
@@ -77,8 +77,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
-        if self.speculative not in ("", "ngram") or self.num_speculative_tokens < 1:
-            raise ValueError(f"speculative must be '' or 'ngram' with num_speculative_tokens >= 1, got "
+        if self.speculative not in ("", "ngram", "suffix") or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative must be '', 'ngram' or 'suffix', num_speculative_tokens >= 1, got "
                              f"{self.speculative!r}, {self.num_speculative_tokens}")  # fmt: skip
 
     @property

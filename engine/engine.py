@@ -53,7 +53,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, self.kv)
         self.speculator: Speculator | None = None  # prefill workers never decode: no drafts
         if config.speculative and config.role != "prefill":
-            self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len)
+            self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len, config.speculative)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()

@@ -11,11 +11,10 @@ So greedy and seeded sampling give, token for token, what speculation off gives.
 positions is rolled back: `num_computed_tokens` covers verified tokens only, the prefix cache
 hashes only those, and blocks past them are freed.
 
-Drafter (model-free; SmolLM2 ships no draft model): prompt lookup. The longest suffix of the
-request's tokens (up to `max_ngram`) that occurred earlier is matched; the tokens after that
-occurrence are the draft. A draft token's confidence is the match's quality (a 4-gram 1.0, a
-3-gram 0.8, a 2-gram 0.6) times the request's own acceptance so far (a moving average): a
-request that copies its prompt keeps drafting, open chat soon stops.
+Drafters (engine/drafters.py, model-free: SmolLM2 ships no draft model): "ngram", prompt lookup
+in the request's own text; "suffix", that and the worker's recent outputs. A draft token's
+confidence, the drafter's, is scaled by the request's own acceptance so far (a moving average):
+a request that copies its prompt keeps drafting, open chat soon stops.
 
 Draft length by load (`verify_len`): at a small batch the step is memory-bound, and verifying a
 few more tokens costs almost nothing; at a large one it is compute-bound, and every rejected
@@ -26,57 +25,17 @@ that rises with the step's running requests is verified; the rest is dropped.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.scheduler import ScheduledChunk
 
-
-@dataclass(frozen=True)
-class Draft:
-    """Proposed next tokens, each with a confidence in (0, 1]."""
-
-    token_ids: tuple[int, ...]
-    confidence: tuple[float, ...]
-
-
-NO_DRAFT = Draft((), ())
 PRIOR_RATE = 0.7  # a request's acceptance before its first verified draft
 RATE_WEIGHT = 0.3  # of the latest draft in a request's moving acceptance
-
-
-class PromptLookup:
-    """One request's prompt-lookup drafter: an index from each n-gram (`min_ngram`..`max_ngram`
-    tokens) of its text to the position after its latest occurrence, kept up to date as tokens
-    are appended (`update`), so a proposal costs a few dict lookups however long the text."""
-
-    def __init__(self, max_draft: int = 4, min_ngram: int = 2, max_ngram: int = 4) -> None:
-        self.max_draft = max_draft
-        self.min_ngram = min_ngram
-        self.max_ngram = max_ngram
-        self._tokens: list[int] = []
-        self._follows: dict[tuple[int, ...], int] = {}
-
-    def update(self, tokens: Sequence[int]) -> None:
-        """Catch up with the request's tokens (prompt + output so far)."""
-        for p in range(len(self._tokens), len(tokens)):
-            self._tokens.append(tokens[p])
-            for n in range(self.min_ngram, min(self.max_ngram, p) + 1):
-                self._follows[tuple(self._tokens[p - n : p])] = p
-
-    def propose(self) -> Draft:
-        """The tokens that followed the latest earlier occurrence of the longest matching tail."""
-        t = self._tokens
-        for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
-            at = self._follows.get(tuple(t[len(t) - n :]))
-            if at is not None:
-                follow = tuple(t[at : at + self.max_draft])
-                quality = 1.0 if n >= 4 else 0.8 if n == 3 else 0.6  # a longer match, a likelier copy
-                return Draft(follow, (quality,) * len(follow))
-        return NO_DRAFT
 
 
 def verify_len(draft: Draft, running: int, base: float = 0.2, per_request: float = 0.045) -> int:
@@ -109,11 +68,13 @@ class Speculator:
     verified chunk's samples into one output. `drafts`: drafts verified so far; `drafted` /
     `accepted`: their tokens, and those accepted; `per_position[i]`: accepted at position i."""
 
-    def __init__(self, kv: KVCacheManager, max_draft: int, max_model_len: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_draft: int, max_model_len: int, kind: str = "ngram") -> None:
         self.kv = kv
         self.max_draft = max_draft
         self.max_model_len = max_model_len
-        self._drafters: dict[str, PromptLookup] = {}
+        self.tree = OutputTree(max_draft=max_draft) if kind == "suffix" else None
+        self._drafters: dict[str, PromptLookup | SuffixDrafter] = {}
+        self._requests: dict[str, Request] = {}
         self._rate: dict[str, float] = {}  # each request's draft tokens accepted, a moving average
         self.drafts = 0
         self.drafted = 0
@@ -122,14 +83,16 @@ class Speculator:
 
     def draft(self, running: Sequence[Request]) -> None:
         """Set `draft` on each running request that is decoding (one token without KV)."""
-        live = {r.request_id for r in running}
-        for rid in [r for r in self._drafters if r not in live]:
-            del self._drafters[rid]
-            self._rate.pop(rid, None)
+        live = {id(r) for r in running}  # the objects: an id may come back as a new request
+        for rid in [rid for rid, r in self._requests.items() if id(r) not in live]:
+            self._forget(rid)
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculate:
                 continue
-            d = self._drafters.setdefault(req.request_id, PromptLookup(self.max_draft))
+            d = self._drafters.get(req.request_id)
+            if d is None:
+                d = self._drafters[req.request_id] = self._new_drafter()
+                self._requests[req.request_id] = req
             d.update(req.token_ids)
             # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
@@ -137,6 +100,17 @@ class Speculator:
             rate = self._rate.get(req.request_id, PRIOR_RATE)  # a token's confidence: match x history
             draft = Draft(draft.token_ids, tuple(c * rate for c in draft.confidence))
             req.draft = draft.token_ids[: max(0, min(room, verify_len(draft, len(running))))]
+
+    def _forget(self, request_id: str) -> None:
+        """A request left the running set: finished (its answer joins the tree) or preempted."""
+        del self._drafters[request_id]
+        self._rate.pop(request_id, None)
+        done = self._requests.pop(request_id)
+        if self.tree is not None and done.finish_reason in ("stop", "length"):
+            self.tree.add(done.prompt_token_ids, done.output_token_ids)
+
+    def _new_drafter(self) -> PromptLookup | SuffixDrafter:
+        return PromptLookup(self.max_draft) if self.tree is None else SuffixDrafter(self.tree, self.max_draft)
 
     def accept(
         self, c: ScheduledChunk, samples: Sequence[int], logprobs: Sequence[TokenLogprob | None], append: AppendToken

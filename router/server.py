@@ -77,8 +77,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--speculative",
         default=env("TANDEM_SPECULATIVE", "off"),
-        choices=["off", "ngram"],
-        help="decode and colocated workers verify drafts each step: ngram = prompt lookup (exact; off by default)",
+        choices=["off", "ngram", "suffix"],
+        help="decode and colocated workers verify drafts each step: ngram = prompt lookup, suffix = that and "
+        "the worker's recent outputs (exact in fp32; off by default)",
     )
     ap.add_argument(
         "--write-back",

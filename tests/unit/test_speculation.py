@@ -10,13 +10,14 @@ from dataclasses import replace
 
 import pytest
 
+from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
 from engine.engine import Engine
 from engine.kv_cache import prefix_hashes
 from engine.model import LlamaModel
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.speculation import Draft, PromptLookup, accepted, verify_len
+from engine.speculation import accepted, verify_len
 from tests.unit.kv_harness import make_pair
 from tests.unit.tiny import make_engine
 
@@ -58,11 +59,15 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 @pytest.mark.parametrize("params", SETTINGS, ids=["greedy", "t0.8", "t1.3-k7", "t0.6-p0.8-lp"])
-def test_speculation_gives_the_tokens_of_no_speculation(tiny_model: LlamaModel, params: SamplingParams) -> None:
+def test_speculation_gives_the_tokens_of_no_speculation(
+    tiny_model: LlamaModel, params: SamplingParams, drafter: str
+) -> None:
     prompts = [looping(i, 12 + 5 * i) for i in range(6)]
     off = run(make_engine(tiny_model, num_blocks=256), prompts, [params] * 6)
-    spec = make_engine(tiny_model, num_blocks=256, speculative="ngram")
+    spec = make_engine(tiny_model, num_blocks=256, speculative=drafter)
+    run(spec, prompts, [params] * 6)  # a first pass fills the suffix drafter's output tree
     on = run(spec, prompts, [params] * 6)
     for rid in off:
         assert tokens(on[rid]) == tokens(off[rid]), rid
@@ -139,6 +144,23 @@ def test_prompt_lookup_drafts_what_followed_the_longest_tail() -> None:
     assert d.propose() == Draft((), ())  # [4, 7, 7], [7, 7] never seen before
     d.update([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 7, 2, 3])
     assert d.propose().token_ids == (4, 7, 7), "the latest occurrence wins"
+
+
+def test_output_tree_drafts_the_most_frequent_continuation_within_its_capacity() -> None:
+    tree = OutputTree(capacity=12, max_draft=3, min_count=2)
+    tree.add([9, 1], [2, 3, 4])
+    tree.add([9, 1], [2, 3, 4])
+    tree.add([9, 1], [2, 3, 5])
+    tree.check_integrity()
+    d = tree.propose([7, 9, 1])  # [9, 1] -> 2 (3 of 3), [1, 2] -> 3 (3 of 3), [2, 3] -> 4 (2 of 3)
+    assert d.token_ids == (2, 3, 4) and d.confidence == (1.0, 1.0, pytest.approx(2 / 3))
+    assert tree.propose([8, 8]) == Draft((), ())
+    tree.add([0, 0], [6, 6, 6, 6])  # 13 tokens > 12: the oldest go
+    tree.check_integrity()
+    assert tree.tokens <= 12
+    drafter = SuffixDrafter(tree, 3)
+    drafter.update([5, 9, 1])
+    assert drafter.propose().token_ids[:1] == (2,), "the request's own text has no match: the tree drafts"
 
 
 def test_verify_len_keeps_the_confident_prefix_and_less_under_load() -> None:
