@@ -25,6 +25,8 @@ class TokenOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculation so far: draft tokens verified, and accepted
+    num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, o: RequestOutput) -> TokenOutput:
@@ -37,6 +39,8 @@ class TokenOutput:
             o.num_output_tokens,
             tuple(o.logprobs),
             o.num_cached_tokens,
+            o.num_draft_tokens,
+            o.num_accepted_tokens,
         )
 
     def shifted(self, prompt_tokens: int, earlier_outputs: int) -> TokenOutput:

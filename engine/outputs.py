@@ -32,6 +32,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv: KVHandoff | None = None
     queue_s: float = 0.0  # arrival to first scheduled (time.monotonic based)
+    num_draft_tokens: int = 0  # speculation so far (engine/speculation.py): draft tokens verified
+    num_accepted_tokens: int = 0  # ... and accepted
 
 
 @dataclass

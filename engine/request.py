@@ -32,6 +32,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     draft: tuple[int, ...] = ()  # tokens to verify in the next step (engine/speculation.py)
+    num_draft_tokens: int = 0  # draft tokens verified so far, and accepted
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

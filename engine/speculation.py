@@ -120,6 +120,8 @@ class Speculator:
         req, n = c.request, accepted(c.draft, samples)
         self.drafts += 1
         self.drafted += len(c.draft)
+        req.num_draft_tokens += len(c.draft)
+        req.num_accepted_tokens += n
         rid = req.request_id
         self._rate[rid] = (1 - RATE_WEIGHT) * self._rate.get(rid, PRIOR_RATE) + RATE_WEIGHT * n / len(c.draft)
         self.accepted += n
@@ -140,6 +142,8 @@ class Speculator:
             new_token_ids=[t for o in outs for t in o.new_token_ids],
             new_text="".join(o.new_text for o in outs),
             logprobs=[lp for o in outs for lp in o.logprobs],
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
 
     def stats(self) -> dict[str, object]:

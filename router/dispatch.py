@@ -56,6 +56,8 @@ class Trace:
     completion_tokens: int = 0
     finish_reason: str | None = None
     migrations: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    spec_accepted_tokens: int = 0
     status: int = 200
     error: str | None = None
     recorded: bool = False
@@ -89,6 +91,8 @@ class Trace:
             "transfer_gbps": round(p.transfer_gbps, 3),
             "attempts": len(self.engine_ids),
             "migrations": self.migrations,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
         }
 
     def log_line(self) -> str:
@@ -127,6 +131,9 @@ class Run:
                         m.itl.observe(gap)
                 trace.t_last = now
             trace.completion_tokens += len(out.token_ids)
+            if out.num_draft_tokens:  # running totals, on the outputs of steps that verified a draft
+                trace.spec_draft_tokens = max(trace.spec_draft_tokens, out.num_draft_tokens)
+                trace.spec_accepted_tokens = max(trace.spec_accepted_tokens, out.num_accepted_tokens)
             if out.finish_reason == "abort":
                 raise StreamEndedError("the request was aborted on the worker")
             yield out

@@ -37,6 +37,7 @@ def test_chat_whole_answer_has_exact_usage_timing_and_request_id(backend: FakeBa
     assert r.headers["x-request-id"] == "abc-1" and body["id"] == "chatcmpl-abc-1"
     timing = json.loads(r.headers["x-tandem-timing"])
     assert timing["prefill_worker"] == "p0" and timing["decode_worker"] == "d0" and timing["attempts"] == 1
+    assert timing["spec_draft_tokens"] == timing["spec_accepted_tokens"] == 0  # this backend never speculates
     assert {"queue_s", "route_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s", "ttft_s", "e2e_s"} <= set(
         timing
     )

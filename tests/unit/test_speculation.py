@@ -78,6 +78,9 @@ def test_speculation_gives_the_tokens_of_no_speculation(
         assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(lp_on, lp_off, strict=True))
     assert spec.speculator is not None and spec.speculator.drafted > 0
     assert 0 < spec.speculator.accepted < spec.speculator.drafted, "both acceptances and rejections ran"
+    # each request's running totals ride on its outputs (the router's timing breakdown shows them)
+    totals = [max((o.num_draft_tokens, o.num_accepted_tokens) for o in outs) for outs in on.values()]
+    assert all(a <= d for d, a in totals) and 0 < sum(a for _, a in totals) <= spec.speculator.accepted
     assert spec.kv.num_free_blocks == 256
 
 
