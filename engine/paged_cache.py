@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from engine.config import ModelConfig
@@ -78,7 +79,18 @@ class PagedKVCache:
             return
         if min(block_ids) < 0 or max(block_ids) >= self.num_blocks:
             raise IndexError(f"block ids {list(block_ids)[:8]} outside [0, {self.num_blocks})")
-        pairs = (np.asarray(span)[:, None] * 2 + np.arange(2)).reshape(-1)  # (layer, k|v) of each run of data
-        rows = (pairs[:, None] * self.num_blocks + np.asarray(block_ids)).reshape(-1)
+        rows = self._row_index(span, block_ids)
         # data as rows: [len(span) * 2 * len(block_ids), block bytes], in `rows` order
         self._rows[rows] = data.contiguous().view(torch.uint8).numpy().reshape(len(rows), -1)
+
+    def read_blocks_serial(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """`read_blocks` of every layer as a serial copy (numpy, not torch), for the same reason as
+        `write_blocks`: it runs off the engine loop's thread (a write-back's source)."""
+        picked = self._rows[self._row_index(range(self.num_layers), block_ids)]
+        return torch.from_numpy(picked).view(self.dtype).view(self.num_layers, 2, len(block_ids), *self.block_shape)
+
+    def _row_index(self, span: range, block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
+        """The `_rows` of blocks `block_ids` in layers `span`, (layer, k|v, block) in that order."""
+        pairs = (np.asarray(span)[:, None] * 2 + np.arange(2)).reshape(-1)  # (layer, k|v) of each run of data
+        rows: npt.NDArray[np.int64] = (pairs[:, None] * self.num_blocks + np.asarray(block_ids)).reshape(-1)
+        return rows

@@ -27,11 +27,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from engine.engine import Engine
-from engine.paged_cache import PagedKVCache
 from kv_transfer.errors import KVTransferError
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVClients
@@ -115,7 +111,7 @@ class WriteBackSource:
             if len(src) != len(res.block_ids):
                 raise KVTransferError(f"the target reserved {len(res.block_ids)} blocks, {len(src)} are left to send")
             # held blocks are full and cached: nothing writes them, so they are read without the lock
-            data = gather_serial(self.engine.cache, src)
+            data = self.engine.cache.read_blocks_serial(src)
             push = self.clients.get(res.endpoint).push(request_id, res)
             try:
                 push.send(0, self.engine.cache.num_layers, list(range(len(src))), data)
@@ -128,14 +124,3 @@ class WriteBackSource:
         finally:
             with self.lock:
                 self.engine.release(hold)
-
-
-def gather_serial(cache: PagedKVCache, blocks: Sequence[int]) -> torch.Tensor:
-    """A copy of `blocks`, [layers, 2, len(blocks), block_size, kv_heads, head_dim], made by numpy
-    on one thread: this runs on an actor thread, where a parallel torch op would start a second
-    OpenMP team beside the engine loop's (engine/torch_threads.py)."""
-    kv = cache.kv
-    layers, _, num_blocks = kv.shape[:3]
-    rows = kv.view(torch.uint8).numpy().reshape(layers * 2 * num_blocks, -1)  # one row per (layer, k|v, block)
-    picked = rows[(np.arange(layers * 2)[:, None] * num_blocks + np.asarray(blocks)).reshape(-1)]
-    return torch.from_numpy(picked).view(kv.dtype).view(layers, 2, len(blocks), *kv.shape[3:])
