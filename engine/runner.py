@@ -73,6 +73,7 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
+            decode_max_len=max(lens, default=0),
         )
         logits = self.model.forward(
             torch.tensor(ids),
