@@ -67,6 +67,7 @@ class EngineConfig:
     num_threads: int | None = None
     speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
     num_speculative_tokens: int = 4
+    weight_cache: bool = True  # prepared weights cached beside the checkpoint (engine/weight_cache.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

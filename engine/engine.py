@@ -34,7 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculation import Speculator
 from engine.tokenizer import Tokenizer
-from engine.weights import load_checkpoint
+from engine.weight_cache import load_model
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ class Engine:
         if config.dtype == "auto":
             why = auto_dtype_reason(cpu_flags(), has_int8_kernels())
             log.info("dtype auto -> %s (%s)", config.weight_dtype, why)
-        model_config, weights = load_checkpoint(path)
-        model = LlamaModel(model_config, weights, config.torch_dtype, int8=config.weight_dtype == "int8")
+        model = load_model(path, config.torch_dtype, config.weight_dtype, config.weight_cache)
         p = Path(path)
         tokenizer = None if p.is_dir() and not (p / "tokenizer.json").exists() else Tokenizer.load(p)
         return cls(model, tokenizer, config)

@@ -9,6 +9,7 @@ a quarter of fp32's bytes, which is what bounds decode.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 
@@ -17,16 +18,40 @@ class Projection:
     """y = x @ W.T for one weight W: [out, in]. Calls are [T, in] -> [T, out]."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, int8: bool = False) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.int8 = int8
         if int8:
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
             zero = torch.zeros(w.shape[0], dtype=torch.long)
             q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+            self._load({"qweight": q.int_repr(), "scale": scale})
+        else:
+            self._load({"wt": weight.t().to(dtype).contiguous()})
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, torch.Tensor], name: str) -> Projection:
+        """The projection that `state(name)` described; an int8 one is only re-packed."""
+        p = cls.__new__(cls)
+        p._load({k: state[f"{name}.{k}"] for k in ("qweight", "scale", "wt") if f"{name}.{k}" in state})
+        return p
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors this projection is made of, under `name.`: int8 values and scales, or W.T."""
+        if not self.int8:
+            return {f"{name}.wt": self._wt}
+        q = torch.ops.quantized.linear_unpack(self._packed)[0]  # only the packed copy is kept
+        return {f"{name}.qweight": q.int_repr(), f"{name}.scale": q.q_per_channel_scales()}
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        self.int8 = "qweight" in state
+        if self.int8:
+            qw, scale = state["qweight"], state["scale"]
+            self.out_features, self.in_features = qw.shape
+            zero = torch.zeros(qw.shape[0], dtype=torch.long)
+            q = torch._make_per_channel_quantized_tensor(qw, scale, zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(q, None)
         else:
-            self._wt = weight.t().to(dtype).contiguous()
+            self._wt = state["wt"]
+            self.in_features, self.out_features = self._wt.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8:

@@ -6,7 +6,8 @@ per-token Python cost is one call per op. Q/K/V and gate/up are fused into one m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -31,34 +32,83 @@ class LayerWeights:
     down: Projection  # intermediate -> hidden
 
 
+_SOURCES = {  # the model's own tensor names -> the checkpoint tensors they are built from
+    "attn_norm": ("input_layernorm",),
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "mlp_norm": ("post_attention_layernorm",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+TensorSource = Callable[[str], torch.Tensor]
+ProjectionSource = Callable[[str], Projection]
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype, int8: bool = False) -> None:
         """dtype: activations and KV cache. int8: quantize the projection weights per channel."""
+        top = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+        if config.tie_embeddings:
+            top["lm_head"] = top["embed"]
+
+        def hf_names(name: str) -> list[str]:
+            if name in top:
+                return [top[name]]
+            _, i, kind = name.split(".")
+            return [f"model.layers.{i}.{n}.weight" for n in _SOURCES[kind]]
+
+        def tensor(name: str) -> torch.Tensor:
+            return weights[hf_names(name)[0]].to(dtype).contiguous()
+
+        def projection(name: str) -> Projection:
+            return Projection(torch.cat([weights[n] for n in hf_names(name)]), dtype, int8)
+
+        self._build(config, dtype, int8, tensor, projection)
+
+    @classmethod
+    def from_state(cls, config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> LlamaModel:
+        """The model whose `state()` this is, without converting or quantizing anything again."""
+        model = cls.__new__(cls)
+        names = [k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".wt"))]
+        # int8 re-packing is most of a cached load, and torch releases the GIL while packing
+        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+            projections = dict(zip(names, pool.map(lambda n: Projection.from_state(state, n), names), strict=True))
+        model._build(config, dtype, "lm_head.qweight" in state, state.__getitem__, projections.__getitem__)
+        return model
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every prepared tensor, by name: what engine.weight_cache stores."""
+        out = {"embed": self.embed, "norm": self.norm}
+        if self.lm_head is not None:
+            out |= self.lm_head.state("lm_head")
+        elif not self.config.tie_embeddings:
+            out["lm_head"] = self._lm_head_weight
+        for i, lw in enumerate(self.layers):
+            out |= {f"layers.{i}.attn_norm": lw.attn_norm, f"layers.{i}.mlp_norm": lw.mlp_norm}
+            for kind, proj in (("qkv", lw.qkv), ("o", lw.o), ("gate_up", lw.gate_up), ("down", lw.down)):
+                out |= proj.state(f"layers.{i}.{kind}")
+        return out
+
+    def _build(
+        self, config: ModelConfig, dtype: torch.dtype, int8: bool, tensor: TensorSource, projection: ProjectionSource
+    ) -> None:
         self.config = config
         self.dtype = dtype
-
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype).contiguous()
-
-        def proj(*names: str) -> Projection:
-            return Projection(torch.cat([weights[n] for n in names]), dtype, int8)
-
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
-        head = weights["model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]
-        self.lm_head = Projection(head, dtype, int8) if int8 else None
-        self._lm_head_weight = self.embed if config.tie_embeddings else w("lm_head.weight")
-        self.norm = w("model.norm.weight")
+        self.embed = tensor("embed")  # [vocab, hidden]
+        self.lm_head = projection("lm_head") if int8 else None
+        self._lm_head_weight = self.embed if config.tie_embeddings or int8 else tensor("lm_head")
+        self.norm = tensor("norm")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
-            p = f"model.layers.{i}."
+            p = f"layers.{i}."
             self.layers.append(
                 LayerWeights(
-                    attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=proj(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
-                    o=proj(p + "self_attn.o_proj.weight"),
-                    mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=proj(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=proj(p + "mlp.down_proj.weight"),
+                    attn_norm=tensor(p + "attn_norm"),
+                    qkv=projection(p + "qkv"),
+                    o=projection(p + "o"),
+                    mlp_norm=tensor(p + "mlp_norm"),
+                    gate_up=projection(p + "gate_up"),
+                    down=projection(p + "down"),
                 )
             )
         # RoPE tables as HF computes them: fp32 angles, cast to the compute dtype.
