@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kv_codec import KVCodec
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -40,11 +42,13 @@ class AttentionMetadata:
     decode_max_len: int = 0  # the longest decode row's context, this token included
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache: [num_blocks * block_size, KVH, D] -> the given blocks, [len(blocks), block_size, KVH, D].
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, codec: KVCodec | None) -> torch.Tensor:
+    """cache: [num_blocks * block_size, KVH, width] -> the given blocks, [len(blocks), block_size, KVH, D],
+    decoded when the cache is coded or narrower than the activations.
 
     index_select, not advanced indexing: it is ~15x faster on CPU for this shape."""
-    return cache.view(-1, block_size, *cache.shape[1:]).index_select(0, blocks)
+    rows = cache.view(-1, block_size, *cache.shape[1:]).index_select(0, blocks)
+    return rows if codec is None or codec.passthrough else codec.decode(rows)
 
 
 # The CPU flash kernel behind F.scaled_dot_product_attention; unlike it, it also returns
@@ -112,8 +116,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     block_size: int,
+    codec: KVCodec | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] (already written to the cache); caches: [blocks*block_size, KVH, D].
+    """q: [T, H, D]; k, v: [T, KVH, D] (already written to the cache); caches: [blocks*block_size, KVH, width],
+    stored as `codec` says (None: as the activations).
 
     Returns [T, H, D].
     """
@@ -122,8 +128,8 @@ def paged_attention(
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         # gathered: [nd * max_blocks, block_size, KVH, D] -> [nd, L, KVH, D]
-        kg = _gather(k_cache, meta.decode_block_tables.flatten(), block_size).view(nd, -1, *k.shape[1:])
-        vg = _gather(v_cache, meta.decode_block_tables.flatten(), block_size).view(nd, -1, *v.shape[1:])
+        kg = _gather(k_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *k.shape[1:])
+        vg = _gather(v_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *v.shape[1:])
         # The G query heads sharing a KV head become G query rows of that head (no GQA
         # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
         qd = q[:nd].view(nd, k.shape[1], -1, q.shape[-1])
@@ -141,8 +147,8 @@ def paged_attention(
     for c in meta.prefills:
         if c.context_len:
             blocks, ctx = c.block_table[: -(-c.context_len // block_size)], slice(0, c.context_len)
-            k_ctx = _gather(k_cache, blocks, block_size).flatten(0, 1)[ctx]  # [context_len, KVH, D]
-            v_ctx = _gather(v_cache, blocks, block_size).flatten(0, 1)[ctx]
+            k_ctx = _gather(k_cache, blocks, block_size, codec).flatten(0, 1)[ctx]  # [context_len, KVH, D]
+            v_ctx = _gather(v_cache, blocks, block_size, codec).flatten(0, 1)[ctx]
             out[c.start : c.end] = _after_context(
                 q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], k_ctx, v_ctx
             )

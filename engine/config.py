@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from engine.kv_codec import KV_DTYPES
+
 Role = Literal["both", "prefill", "decode"]
 # "int8": weights quantized per channel, activations and KV cache in fp32.
 DTYPES: dict[str, torch.dtype] = {
@@ -67,6 +69,7 @@ class EngineConfig:
     num_threads: int | None = None
     speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
     num_speculative_tokens: int = 4
+    kv_dtype: str = "auto"  # how the KV cache stores keys and values: engine/kv_codec.py
     weight_cache: bool = True  # prepared weights cached beside the checkpoint (engine/weight_cache.py)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.speculative not in ("", "ngram", "suffix") or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative must be '', 'ngram' or 'suffix', num_speculative_tokens >= 1, got "
                              f"{self.speculative!r}, {self.num_speculative_tokens}")  # fmt: skip

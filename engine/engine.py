@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache import KVCacheManager
+from engine.kv_codec import KVCodec
 from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
 from engine.model import LayerCallback, LlamaModel
 from engine.outputs import Completion, KVHandoff, RequestOutput
@@ -48,7 +49,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cache = PagedKVCache(model.config, config.num_blocks, config.block_size, model.dtype)
+        codec = KVCodec.of(config.kv_dtype, model.dtype)
+        self.cache = PagedKVCache(model.config, config.num_blocks, config.block_size, model.dtype, codec)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.kv)
         self.speculator: Speculator | None = None  # prefill workers never decode: no drafts

@@ -164,11 +164,10 @@ class LlamaModel:
             qk = self._rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]  # [T, H, D], [T, KVH, D]
             v = qkv[:, qs + kvs :].view(t, nkv, d)
-            cache.k_flat[i].index_copy_(0, slots, k)
-            cache.v_flat[i].index_copy_(0, slots, v)
+            k, v = cache.write(i, slots, k, v)
             if on_layer_done is not None:
                 on_layer_done(i)
-            a = paged_attention(q, k, v, cache.k_flat[i], cache.v_flat[i], meta, cache.block_size)
+            a = paged_attention(q, k, v, cache.k_flat[i], cache.v_flat[i], meta, cache.block_size, cache.codec)
             h = h + lw.o(a.view(t, qs))
             x = self._rms_norm(h, lw.mlp_norm)
             gu = lw.gate_up(x)  # [T, 2 * intermediate]

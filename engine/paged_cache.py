@@ -2,7 +2,7 @@
 
 One tensor holds the whole cache (KV transfer ships slices of it):
 
-    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, width]
               |      |      |           |
               |      |      |           +-- token slot within the block
               |      |      +-- physical block id (from KVCacheManager's block tables)
@@ -13,7 +13,8 @@ One tensor holds the whole cache (KV transfer ships slices of it):
     token t of request:  block = table[t // block_size], slot = t % block_size
     flat slot index:     block * block_size + slot   (the "slot mapping" the model writes by)
 
-A block is contiguous per (layer, k|v): block_size * kv_heads * head_dim elements, so
+width is head_dim, or head_dim + 4 in a coded (int8/fp8) cache: engine/kv_codec.py.
+A block is contiguous per (layer, k|v): block_size * kv_heads * width elements, so
 one (layer, block) pair is 2 such runs. Bookkeeping (which block belongs to whom) lives
 in engine.kv_cache and never touches this tensor.
 """
@@ -27,37 +28,58 @@ import numpy.typing as npt
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_codec import KVCodec
 
 
 class PagedKVCache:
     """Owns the KV tensor; reads and writes whole blocks for KV transfer."""
 
-    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, codec: KVCodec | None = None
+    ) -> None:
+        """dtype: what attention computes in; codec: how the cache stores it (default: as is)."""
+        self.codec = codec or KVCodec.of("auto", dtype)
         self.num_layers = model.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
-        self.dtype = dtype
+        self.width = self.codec.width(model.head_dim)
+        self.dtype = self.codec.storage  # of the tensor: what KV transfer moves
         self.kv = torch.zeros(
-            model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype=dtype
+            model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width, dtype=self.dtype
         )
-        # flat views per layer: [num_blocks * block_size, kv_heads, head_dim]
-        self.k_flat = [self.kv[i, 0].view(-1, self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
-        self.v_flat = [self.kv[i, 1].view(-1, self.num_kv_heads, self.head_dim) for i in range(self.num_layers)]
+        # flat views per layer: [num_blocks * block_size, kv_heads, width]
+        self.k_flat = [self.kv[i, 0].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
+        self.v_flat = [self.kv[i, 1].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
         # a row per (layer, k|v, block), as bytes:
-        # [num_layers * 2 * num_blocks, block_size * kv_heads * head_dim * itemsize]
+        # [num_layers * 2 * num_blocks, block_size * kv_heads * width * itemsize]
         self._rows = self.kv.view(torch.uint8).numpy().reshape(model.num_layers * 2 * num_blocks, -1)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
         """Shape of one block of one layer's keys (or values)."""
-        return (self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.block_size, self.num_kv_heads, self.width)
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, keys and values."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.width * self.kv.element_size()
+
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's new keys and values, [T, kv_heads, head_dim], at flat `slots`. Returns
+        them as the cache now holds them (coded and decoded again), so attention over a chunk's own
+        keys sees what a later read of the cache would: results do not depend on chunking."""
+        if self.codec.passthrough:
+            self.k_flat[layer].index_copy_(0, slots, k)
+            self.v_flat[layer].index_copy_(0, slots, v)
+            return k, v
+        k_rows, v_rows = self.codec.encode(k), self.codec.encode(v)
+        self.k_flat[layer].index_copy_(0, slots, k_rows)
+        self.v_flat[layer].index_copy_(0, slots, v_rows)
+        return self.codec.decode(k_rows), self.codec.decode(v_rows)
 
     def read_blocks(self, block_ids: Sequence[int], layers: slice = slice(None)) -> torch.Tensor:
         """A copy of the given blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""

@@ -24,13 +24,14 @@ from typing import Any
 import torch
 
 from engine.engine import Engine
+from engine.kv_codec import valid_scales
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
 from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
 from kv_transfer.reservations import Reservation, ReservationTable, State
 from kv_transfer.security import same_secret
 from kv_transfer.stats import TransferStats
-from kv_transfer.wire import DTYPES, checksum, layout_of
+from kv_transfer.wire import CODED, DTYPES, checksum, layout_of, row_width
 from protos.gen import kv_transfer_pb2 as pb
 
 
@@ -168,12 +169,14 @@ class KVReceiver:
                     )
                 if checksum(payload) != header.checksum:
                     raise ChunkRejected("bad_checksum", "payload checksum mismatch")
+                with warnings.catch_warnings():  # payloads are read-only views (gRPC bytes, mmap); only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    data = torch.frombuffer(payload, dtype=self.engine.cache.dtype).view(shape)
+                if header.dtype in CODED and not valid_scales(data):
+                    raise ChunkRejected("bad_scales", "a KV scale is negative or not finite")
             except ChunkRejected as e:
                 self._drop(r, f"rejected chunk: {e}")
                 raise
-            with warnings.catch_warnings():  # payloads are read-only views (gRPC bytes, mmap); only read
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.frombuffer(payload, dtype=self.engine.cache.dtype).view(shape)
             self.engine.cache.write_blocks(blocks, data, slice(header.layer_start, header.layer_end))
             if r.state is State.RESERVED:
                 r.state, r.started = State.RECEIVING, time.monotonic()
@@ -239,7 +242,7 @@ class KVReceiver:
         if h.dtype != self.layout.dtype:
             raise ChunkRejected("bad_dtype", f"dtype {h.dtype!r}, cache holds {self.layout.dtype!r}")
         L = self.layout
-        shape = (hi - lo, 2, len(blocks), L.block_size, L.num_kv_heads, L.head_dim)
+        shape = (hi - lo, 2, len(blocks), L.block_size, L.num_kv_heads, row_width(L))
         if tuple(h.shape) != shape:
             raise ChunkRejected("bad_shape", f"shape {tuple(h.shape)}, expected {shape}")
         if h.payload_bytes != DTYPES[h.dtype].itemsize * torch.Size(shape).numel():

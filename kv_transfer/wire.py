@@ -2,8 +2,9 @@
 
     Push message = u32le header length | KVChunkHeader (protobuf) | payload bytes
 
-The payload is a C-contiguous tensor [layers, 2, blocks, block_size, kv_heads, head_dim]
-(engine.paged_cache's layout, sliced to some layers and blocks), checksummed with XXH3-64
+The payload is a C-contiguous tensor [layers, 2, blocks, block_size, kv_heads, width]
+(engine.paged_cache's layout, sliced to some layers and blocks; width is head_dim, or
+head_dim + 4 in an int8 or fp8 cache, whose rows end with their fp32 scale), checksummed with XXH3-64
 (xxh64 took as long as the copy itself: ~10 GB/s against ~60 GB/s for XXH3 on cached data).
 A payload over the receiver's max_chunk_bytes goes as several chunks (`chunk_spans`): whole
 layers while one layer of all its blocks fits, else runs of blocks within one layer:
@@ -24,11 +25,20 @@ from collections.abc import Iterator
 import torch
 import xxhash
 
+from engine.kv_codec import SCALE_BYTES
 from engine.paged_cache import PagedKVCache
 from protos.gen import kv_transfer_pb2 as pb
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the cache tensor's dtype by wire name; a coded cache's rows are one-byte codes + scale bytes
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.uint8,
+}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CODED = frozenset({"int8", "float8_e4m3fn"})
 _LEN = struct.Struct("<I")
 
 
@@ -40,6 +50,11 @@ def layout_of(cache: PagedKVCache) -> pb.KVLayout:
         head_dim=cache.head_dim,
         dtype=DTYPE_NAMES[cache.dtype],
     )
+
+
+def row_width(layout: pb.KVLayout) -> int:
+    """Elements per token and KV head in a cache of this layout."""
+    return layout.head_dim + SCALE_BYTES if layout.dtype in CODED else layout.head_dim
 
 
 def checksum(data: bytes | memoryview) -> int:

@@ -53,6 +53,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="serve with N colocated workers instead of P/D (for comparison)",
     )
     ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=["auto", "bf16", "fp32", "fp16", "int8"])
+    ap.add_argument(
+        "--kv-dtype",
+        default=env("TANDEM_KV_DTYPE", "auto"),
+        choices=["auto", "fp32", "bf16", "fp16", "int8", "fp8"],  # engine.kv_codec.KV_DTYPES, without importing torch
+        help="how KV caches store keys and values, and what P/D moves: auto = as the activations; int8/fp8: "
+        "per-token-head scaled codes, about a quarter of fp32's bytes (lossy: see the README)",
+    )
     ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm"])
     ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     ap.add_argument(
@@ -214,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             num_blocks=args.num_blocks,
             num_threads=threads or None,
             speculative="" if args.speculative == "off" else args.speculative,
+            kv_dtype=args.kv_dtype,
         ),
         transport=args.transport,
         kv_tls=_kv_tls(args),
@@ -223,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = f"auto -> {config.engine.weight_dtype}" if args.dtype == "auto" else args.dtype  # as on this host
     print(
         f"tandem: starting {prefill} prefill, {decode} decode, {args.colocated} colocated worker(s) "
-        f"({dtype}, {f'{threads} threads each' if threads else 'all cores each'}, KV over {args.transport}) ...",
+        f"({dtype}, {f'{threads} threads each' if threads else 'all cores each'}, KV {args.kv_dtype} over "
+        f"{args.transport}) ...",
         flush=True,
     )
     cluster = Cluster.connect(config)
