@@ -1,16 +1,20 @@
-"""`tandem bench engine`: our engine against HF transformers, same model, dtype, threads, prompts."""
+"""`tandem bench engine`: our engine against HF transformers (and `--peer llamacpp|openvino`), same model,
+dtype, threads, prompts."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import peers
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
@@ -88,13 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-ref", action="store_true", help="skip HF transformers")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"], help="KV cache")
     ap.add_argument("--no-long", action="store_true", help="skip the 4K/8K prefill and 8K-context decode rows")
+    ap.add_argument(
+        "--peer", choices=sorted(peers.PEERS), help="also run llama.cpp or OpenVINO GenAI (the peers extra)"
+    )
+    ap.add_argument(
+        "--peer-python", help="a Python with optimum-intel for the one-time OpenVINO export (default: this)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = args.model or str(default_model_path())
+    peer = None
+    if args.peer:  # before our run, so a missing extra or a failed export costs no wait
+        try:
+            n_ctx = (1024 if args.no_long else 8192) + args.new_tokens
+            peer = peers.load(args.peer, Path(path), args.threads, n_ctx, args.peer_python)
+        except peers.PeerUnavailable as e:
+            print(f"tandem bench engine: {e}", file=sys.stderr)
+            return 2
     t = time.perf_counter()
-    engine = Engine.from_path(path, EngineConfig(dtype=args.dtype, num_blocks=4096, max_num_seqs=128))
+    config = EngineConfig(dtype=args.dtype, num_blocks=4096, max_num_seqs=128, kv_dtype=args.kv_dtype)
+    engine = Engine.from_path(path, config)
     load_s = time.perf_counter() - t
     new = args.new_tokens
     dtype_name = engine.config.weight_dtype
@@ -111,10 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     res["batch16_tok_s"] = 16 * new / ours(engine, short[:16], new)
     res["batch64_tok_s"] = 64 * new / ours(engine, short[:64], new)
     res.update(prefill_4k_tok_s=None, prefill_8k_tok_s=None, decode_8k_tok_s=None)
+    long_rows: list[tuple[str, list[list[int]]]] = []
     if not args.no_long:
-        res["prefill_4k_tok_s"] = prefill_rate(run_ours, make_prompts(engine, 3, 4096))
-        res["prefill_8k_tok_s"] = prefill_rate(run_ours, make_prompts(engine, 3, 8000))
-        res["decode_8k_tok_s"] = decode_rate(run_ours, make_prompts(engine, 1, 8000), new)
+        long_rows = [
+            ("prefill_4k_tok_s", make_prompts(engine, 3, 4096)),
+            ("prefill_8k_tok_s", make_prompts(engine, 3, 8000)),
+            ("decode_8k_tok_s", make_prompts(engine, 1, 8000)),
+        ]
+        res["prefill_4k_tok_s"] = prefill_rate(run_ours, long_rows[0][1])
+        res["prefill_8k_tok_s"] = prefill_rate(run_ours, long_rows[1][1])
+        res["decode_8k_tok_s"] = decode_rate(run_ours, long_rows[2][1], new)
+    res.update(peers.measure(peer, decode_rate, prefill_rate, short, long, new, long_rows))
     res.update(ref_decode_tok_s=None, ref_prefill_tok_s=None, ref_batch16_tok_s=None)
     if not args.no_ref:
         from transformers import AutoModelForCausalLM
@@ -137,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         res["ref_decode_tok_s"] = decode_rate(run_ref, short[:1], new)
         res["ref_prefill_tok_s"] = prefill_rate(run_ref, long)
         res["ref_batch16_tok_s"] = 16 * new / theirs(hf, short[:16], new)
-    res_meta = {"dtype": dtype_name, "threads": args.threads}
+    res_meta = {"dtype": dtype_name, "kv_dtype": engine.cache.codec.kind, "threads": args.threads, "peer": args.peer}
     if args.json:
         print(json.dumps(res_meta | {k: round(v, 2) if v is not None else None for k, v in res.items()}))
     else:
-        print(f"engine bench: {dtype_name}, {args.threads} threads, model {path} (loaded in {load_s:.2f} s)")
-        print(f"{'metric':<34}{'tandem':>10}{'HF':>10}{'ratio':>8}")
+        print(f"engine bench: {dtype_name}, KV {engine.cache.codec.kind}, {args.threads} threads, model {path} "
+              f"(loaded in {load_s:.2f} s)")  # fmt: skip
+        print(peers.header(peer.label if peer else None))
         for label, key in [
             ("decode tok/s (1 stream, 32 prompt)", "decode_tok_s"),
             ("prefill tok/s (512 prompt)", "prefill_tok_s"),
@@ -152,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             ("prefill tok/s (8000 prompt)", "prefill_8k_tok_s"),
             ("decode tok/s (1 stream, 8000 ctx)", "decode_8k_tok_s"),
         ]:
-            a, b = res[key], res.get("ref_" + key)
-            ratio = f"{a / b:.2f}x" if a and b else "-"
-            print(f"{label:<34}{a or 0:>10.1f}{(b or 0):>10.1f}{ratio:>8}")
+            print(peers.row(label, res[key], res.get("ref_" + key), res.get("peer_" + key), peer is not None))
+        for note in peer.notes if peer else []:
+            print(note)
         p1, p4, p8 = res["prefill_tok_s"], res["prefill_4k_tok_s"], res["prefill_8k_tok_s"]
         d1, d8 = res["decode_tok_s"], res["decode_8k_tok_s"]
         if p1 and p4 and p8 and d1 and d8:
