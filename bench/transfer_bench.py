@@ -176,10 +176,9 @@ def measure_transfers(
     skipped = ""
     blocks = source.reserve("bench-source", SIZES["4k"])
     cache = source.cache
-    # kv[:, :, blocks]: [layers, 2, blocks, block_size, kv_heads, head_dim]
-    cache.kv[:, :, torch.tensor(blocks)] = torch.randn(cache.num_layers, 2, len(blocks), *cache.block_shape).to(
-        cache.dtype
-    )
+    # kv[:, :, blocks]: [layers, 2, blocks, block_size, kv_heads, width], coded as the cache codes
+    shape = (cache.num_layers, 2, len(blocks), cache.block_size, cache.num_kv_heads, cache.head_dim)
+    cache.kv[:, :, torch.tensor(blocks)] = cache.codec.encode(torch.randn(shape))
     try:
         for t in transports:
             if t == "collective":
@@ -197,6 +196,7 @@ def measure_transfers(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "int8"], help="int8: W8A8, fp32 KV")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"], help="KV cache")
     ap.add_argument("--transports", default="grpc,shm,collective", help="comma-separated: grpc, shm, collective")
     ap.add_argument("--receiver", default="process", choices=["process", "thread"], help="decode side placement")
     ap.add_argument("--threads", type=int, default=2)
@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = str(default_model_path())
     # room for the 4K-token source, or for one 2K-token TTFT prompt at a time
-    cfg = EngineConfig(dtype=args.dtype, num_blocks=SIZES["4k"] // EngineConfig.block_size + 64, role="prefill")
-    decode_cfg = EngineConfig(dtype=args.dtype, num_blocks=cfg.num_blocks, role="decode")
+    blocks = SIZES["4k"] // EngineConfig.block_size + 64
+    cfg = EngineConfig(dtype=args.dtype, num_blocks=blocks, role="prefill", kv_dtype=args.kv_dtype)
+    decode_cfg = EngineConfig(dtype=args.dtype, num_blocks=blocks, role="decode", kv_dtype=args.kv_dtype)
     spawned = DecodePeer(None, path, decode_cfg, args.threads) if args.receiver == "process" else None
     source = Engine.from_path(path, cfg)  # while the spawned worker loads its own copy
     decode = spawned or DecodePeer(source.model, path, decode_cfg, args.threads)
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         decode.close()
     res |= over_memcpy(res)
     meta = {
-        "kv_dtype": str(source.cache.dtype).removeprefix("torch."),
+        "kv_dtype": source.cache.codec.kind,
         "threads": args.threads,
         "receiver": args.receiver,
         "stat": f"best of {runs} (transfers)" + ("" if args.quick else ", of 3 (TTFT)"),
