@@ -28,6 +28,7 @@ from router.app import create_app
 from router.backend import ClusterBackend
 from router.settings import RouterSettings
 from tests.integration.waits import until
+from tests.unit.test_dashboard import SPEC_ONLY, dashboard_metrics
 
 TOKEN = "itest-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -240,3 +241,7 @@ def test_metrics_parse_and_move(url: str, model: str) -> None:
     assert after["tandem:generation_tokens_total"] >= before["tandem:generation_tokens_total"] + 1
     assert after["tandem:prompt_tokens_total"] > before["tandem:prompt_tokens_total"]
     assert "tandem:num_requests_running" in after
+    # every series deploy/grafana/tandem.json queries, but speculation's (off in this cluster)
+    httpx.post(f"{url}/v1/completions", json={"model": "no-such-model", "prompt": "Hello"}, timeout=60)  # a rejection
+    live = {s.name for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in f.samples}
+    assert not {m for m in dashboard_metrics() if not m.startswith(SPEC_ONLY)} - live
