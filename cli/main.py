@@ -41,10 +41,17 @@ def _admin(argv: list[str]) -> int:
     return main(argv)
 
 
+def _status(argv: list[str]) -> int:
+    from cli.status import main
+
+    return main(argv)
+
+
 COMMANDS = {
     "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
     "bench": (_bench, "benchmarks: " + ", ".join(BENCHES)),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
+    "status": (_status, "a live terminal view of the pools and the load (--once: one frame)"),
 }
 
 
