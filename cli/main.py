@@ -41,6 +41,12 @@ def _admin(argv: list[str]) -> int:
     return main(argv)
 
 
+def _profile(argv: list[str]) -> int:
+    from planner.measure import main
+
+    return main(argv)
+
+
 def _status(argv: list[str]) -> int:
     from cli.status import main
 
@@ -51,6 +57,7 @@ COMMANDS = {
     "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
     "bench": (_bench, "benchmarks: " + ", ".join(BENCHES)),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
+    "profile": (_profile, "measure this machine's engine profile for the planner (--compare: vs the roofline)"),
     "status": (_status, "a live terminal view of the pools and the load (--once: one frame)"),
 }
 

@@ -10,7 +10,7 @@ import torch
 from engine.kv_codec import KV_DTYPES
 
 Role = Literal["both", "prefill", "decode"]
-# "int8": weights quantized per channel, activations and KV cache in fp32.
+# "int8": weights quantized per channel, activations in fp32 (and the KV cache, unless kv_dtype says otherwise).
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
