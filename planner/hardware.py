@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,7 @@ def measure_cpu(dtypes: tuple[str, ...], mem_bytes: float, seconds: float = 0.5)
     return Hardware(f"cpu-{torch.get_num_threads()}t", peaks, bw, mem_bytes)
 
 
-def _best(fn: object, seconds: float) -> float:
-    assert callable(fn)
+def _best(fn: Callable[[], object], seconds: float) -> float:
     fn()
     best, end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < end:
