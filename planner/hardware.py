@@ -37,7 +37,8 @@ def known() -> dict[str, Hardware]:
 
 def measure_cpu(dtypes: tuple[str, ...], mem_bytes: float, seconds: float = 0.5) -> Hardware:
     """This CPU's facts, measured: the FLOP/s of a large matmul in each dtype (int8: the
-    dynamic-quantized kernel the engine runs), and copy bandwidth."""
+    dynamic-quantized kernel the engine runs), and copy bandwidth (`tandem bench transfer`'s)."""
+    from bench.transfer_bench import memcpy_gbps
     from engine.linear import Projection
 
     n = 2048
@@ -50,9 +51,7 @@ def measure_cpu(dtypes: tuple[str, ...], mem_bytes: float, seconds: float = 0.5)
         else:
             matmul = functools.partial(torch.mm, x, w.t().to(x.dtype).contiguous())
         peaks[dtype] = 2 * n**3 / _best(matmul, seconds)
-    src = torch.empty(256 * 2**20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() / _best(lambda: dst.copy_(src), seconds)  # a copy reads and writes each byte
+    bw = 2 * memcpy_gbps() * 1e9  # a copy reads and writes each byte
     return Hardware(f"cpu-{torch.get_num_threads()}t", peaks, bw, mem_bytes)
 
 

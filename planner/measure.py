@@ -9,15 +9,14 @@ import json
 import os
 import platform
 import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from bench.engine_bench import ours
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
-from engine.sampling_params import SamplingParams
 from planner.hardware import measure_cpu
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint, store
 from planner.roofline import attention_dtype, estimate, relative_errors
@@ -36,13 +35,6 @@ FULL = Grid(
 QUICK = Grid(((64, 0), (256, 0), (64, 256)), ((1, 64), (4, 64)), steps=8)
 
 
-def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    t = time.perf_counter()
-    engine.generate(prompts, params)
-    return time.perf_counter() - t
-
-
 def _tokens(seed: int, n: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, min(vocab, 30000), (n,), generator=g).tolist()
@@ -52,19 +44,19 @@ def measure_profile(engine: Engine, grid: Grid, node_class: str, model: str) -> 
     """Time each grid point on `engine`: fresh random tokens each time, so no prefix hit but the
     intended one (the `cached` tokens, run once before the timed prompt)."""
     vocab, seed = engine.model.config.vocab_size, iter(range(1, 10**6))
-    _run(engine, [_tokens(0, 32, vocab)], 2)  # warm-up
+    ours(engine, [_tokens(0, 32, vocab)], 2)  # warm-up
     prefill = []
     for uncached, cached in grid.prefill:
         prefix = _tokens(next(seed), cached, vocab)
         if cached:
-            _run(engine, [prefix], 1)
+            ours(engine, [prefix], 1)
         prompt = prefix + _tokens(next(seed), uncached, vocab)
-        prefill.append(PrefillPoint(uncached, cached, _run(engine, [prompt], 1)))
+        prefill.append(PrefillPoint(uncached, cached, ours(engine, [prompt], 1)))
     decode = []
     for batch, length in grid.decode:
         prompts = [_tokens(next(seed), length, vocab) for _ in range(batch)]
-        _run(engine, prompts, 1)  # cached now: both timed runs below prefill nothing but the last token
-        one, many = _run(engine, prompts, 1), _run(engine, prompts, grid.steps + 1)
+        ours(engine, prompts, 1)  # cached now: both timed runs below prefill nothing but the last token
+        one, many = ours(engine, prompts, 1), ours(engine, prompts, grid.steps + 1)
         context = batch * (length + grid.steps // 2)
         decode.append(DecodePoint(batch, context, max(many - one, 1e-9) / grid.steps))
     engine.check_integrity()
