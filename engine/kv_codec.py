@@ -16,6 +16,7 @@ write and dequantized where attention gathers them; KV transfer moves the rows a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,10 @@ class KVCodec:
         """dtype of the cache tensor."""
         return _CODED[self.kind][0] if self.coded else _FLOATS[self.kind]
 
-    @property
+    @functools.cached_property
     def passthrough(self) -> bool:
-        """The cache holds exactly what attention computes with: no op on write or read."""
+        """The cache holds exactly what attention computes with: no op on write or read (asked twice
+        a layer each step, so computed once)."""
         return self.storage == self.compute
 
     def width(self, head_dim: int) -> int:
