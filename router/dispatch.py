@@ -7,14 +7,12 @@ arrival -> Admission.acquire -> route -> generate -> first output -> ... -> fini
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any
 
 from cluster.cluster import NoWorkerError
@@ -174,18 +172,10 @@ class Dispatcher:
         failed: list[Route] = []
         last_error: Exception | None = None
         while True:
-            try:
-                route = await self._route(prompt, params, failed)
-            except NoWorkerError:
-                if last_error is None:
-                    raise
-                raise last_error from None  # nowhere else to try: the failure itself says more
             engine_id = f"{trace.request_id}.{uuid.uuid4().hex[:8]}"
             trace.engine_ids.append(engine_id)
-            trace.t_dispatch = time.monotonic()
-            pump: ThreadPump[StreamOutput] = ThreadPump(
-                partial(self.backend.generate, prompt, params, engine_id, route), name=f"req-{engine_id}"
-            )
+            attempt = _Attempt(self, prompt, params, engine_id, tuple(failed), trace)
+            pump: ThreadPump[StreamOutput] = ThreadPump(attempt.start, name=f"req-{engine_id}")
             try:
                 first = await pump.next()
                 if first is None:
@@ -195,6 +185,11 @@ class Dispatcher:
                 raise
             except Exception as e:
                 pump.close()
+                if attempt.route is None:  # routing failed: no worker (left) to try
+                    if isinstance(e, NoWorkerError) and last_error is not None:
+                        raise last_error from None  # the failure itself says more
+                    raise
+                route = attempt.route
                 failed.append(route)
                 last_error = e
                 if len(failed) >= self.settings.max_attempts:
@@ -210,14 +205,14 @@ class Dispatcher:
             self._observe_first(trace)
             return Run(pump, first, trace, self)
 
-    async def _route(self, prompt: list[int], params: SamplingParams, failed: list[Route]) -> Route:
-        """A route; after failures, one that is not a pair already tried. Raises NoWorkerError."""
+    def route(self, prompt: list[int], params: SamplingParams, failed: Sequence[Route]) -> Route:
+        """A route; after failures, one that is not a pair already tried. Raises NoWorkerError. Blocks."""
         if not failed:
-            return await asyncio.to_thread(self.backend.route, prompt, params, frozenset())
+            return self.backend.route(prompt, params, frozenset())
         tried = {r.workers for r in failed}
         for exclude in retry_exclusions(failed):
             try:
-                route = await asyncio.to_thread(self.backend.route, prompt, params, exclude)
+                route = self.backend.route(prompt, params, exclude)
             except NoWorkerError:
                 continue
             if route.workers not in tried:
@@ -246,3 +241,23 @@ class Dispatcher:
             m.generation_tokens.inc(trace.completion_tokens)
         if access_log.isEnabledFor(logging.INFO):  # the line costs ~70 us to build
             access_log.info(trace.log_line())
+
+
+@dataclass
+class _Attempt:
+    """One try at a request: its route, then its stream, both made on its pump's thread. Routing
+    there rather than on a thread of its own saves a hop each way (~0.1 ms a request)."""
+
+    d: Dispatcher
+    prompt: list[int]
+    params: SamplingParams
+    engine_id: str
+    failed: tuple[Route, ...]
+    trace: Trace
+    route: Route | None = None  # set once routed; None if routing raised
+
+    def start(self) -> Iterator[StreamOutput]:
+        route = self.d.route(self.prompt, self.params, self.failed)
+        self.trace.t_dispatch = time.monotonic()
+        self.route = route
+        return self.d.backend.generate(self.prompt, self.params, self.engine_id, route)
