@@ -47,6 +47,12 @@ def _profile(argv: list[str]) -> int:
     return main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from planner.plan_cli import main
+
+    return main(argv)
+
+
 def _status(argv: list[str]) -> int:
     from cli.status import main
 
@@ -58,6 +64,7 @@ COMMANDS = {
     "bench": (_bench, "benchmarks: " + ", ".join(BENCHES)),
     "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
     "profile": (_profile, "measure this machine's engine profile for the planner (--compare: vs the roofline)"),
+    "plan": (_plan, "goodput of every P:D split and colocated for a trace, and the cheapest node mix (simulated)"),
     "status": (_status, "a live terminal view of the pools and the load (--once: one frame)"),
 }
 

@@ -23,6 +23,7 @@ class Hardware:
     mem_bw: float  # bytes/s
     mem_bytes: float
     step_overhead_s: float = 0.0
+    link_gbps: float = 0.0  # KV transfer to another node, GB/s
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype, falling back to bf16's (a GPU runs fp16 at bf16's rate)."""

@@ -1,0 +1,105 @@
+"""Node kinds for `tandem plan`: a measured profile (`tandem profile`'s JSON) or an accelerator
+kept as data (planner/hardware.json), estimated by the roofline for a model's shape.
+
+    --nodes NAME=COUNT[@PRICE]   NAME: a profile's node class, or a hardware name (H100-SXM)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import ModelConfig
+from planner.hardware import Hardware, known
+from planner.measure import FULL
+from planner.profile import DecodePoint, EngineProfile, PrefillPoint
+from planner.roofline import ModelShape, estimate
+from planner.search import NodeKind
+from planner.simulator import WorkerSpec
+from planner.step_costs import StepCosts
+
+MODELS_FILE = Path(__file__).with_name("models.json")
+CPU_KV_TOKENS = 2048 * 16  # the engine's default cache: num_blocks x block_size
+GPU_KV_SHARE = 0.9  # of an accelerator's memory left after the weights, for KV
+GPU_MAX_BATCH = 256
+GPU_TOKEN_BUDGET = 8192
+
+
+@dataclass(frozen=True)
+class NodeCount:
+    name: str
+    count: int
+    price: float  # an hour, one worker
+
+
+def parse_nodes(text: str) -> list[NodeCount]:
+    """'H100-SXM=500@12.3,H200-SXM=300@15.1' -> NodeCounts. Raises ValueError."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, rest = item.partition("=")
+        count, _, price = rest.partition("@")
+        try:
+            n, p = int(count), float(price or 0)
+        except ValueError:
+            n = p = -1
+        if not sep or not name or n < 1 or p < 0:
+            raise ValueError(f"--nodes wants NAME=COUNT[@PRICE] (COUNT >= 1, PRICE >= 0), got {item!r}")
+        out.append(NodeCount(name, n, p))
+    if not out:
+        raise ValueError("--nodes is empty")
+    return out
+
+
+def model_config(name: str) -> ModelConfig:
+    """A shape from planner/models.json, or a checkpoint's (GGUF file or HF directory)."""
+    shapes = json.loads(MODELS_FILE.read_text())
+    if name in shapes:
+        return ModelConfig(**shapes[name])
+    if not Path(name).exists():
+        names = sorted(k for k in shapes if not k.startswith("_"))
+        raise ValueError(f"model {name!r} is neither a checkpoint nor one of {names}")
+    from engine.weights import load_checkpoint
+
+    return load_checkpoint(name)[0]
+
+
+def grid_profile(model: str, dtype: str, kv_dtype: str) -> EngineProfile:
+    """`tandem profile`'s full grid with no times: the points a roofline estimate fills in."""
+    steps = FULL.steps
+    return EngineProfile(
+        "grid", "grid", model, dtype, kv_dtype,
+        tuple(PrefillPoint(u, c, 0.0) for u, c in FULL.prefill),
+        tuple(DecodePoint(b, b * (n + steps // 2), 0.0) for b, n in FULL.decode),
+    )  # fmt: skip
+
+
+def from_profile(profile: EngineProfile, price: float, available: int) -> NodeKind:
+    gbps = profile.transfer_gbps.get("grpc") or max(profile.transfer_gbps.values(), default=1.0)
+    worker = WorkerSpec(StepCosts.fit(profile), CPU_KV_TOKENS)
+    return NodeKind(profile.node_class, worker, price, available, gbps)
+
+
+def from_hardware(hw: Hardware, config: ModelConfig, model: str, dtype: str, price: float, available: int) -> NodeKind:
+    shape = ModelShape.of(config, dtype, dtype)
+    profile = estimate(grid_profile(model, dtype, dtype), config, hw, dtype, hw.name)
+    kv_tokens = int((hw.mem_bytes * GPU_KV_SHARE - shape.weight_bytes) / shape.kv_bytes_per_token)
+    if kv_tokens < 1:
+        raise ValueError(f"{model} in {dtype} does not fit in {hw.name}'s {hw.mem_bytes / 1e9:.0f} GB")
+    worker = WorkerSpec(StepCosts.fit(profile), kv_tokens, GPU_MAX_BATCH, GPU_TOKEN_BUDGET)
+    return NodeKind(hw.name, worker, price, available, hw.link_gbps or 10.0)
+
+
+def resolve(
+    nodes: list[NodeCount], profiles: list[EngineProfile], config: ModelConfig, model: str, dtype: str
+) -> list[NodeKind]:
+    by_class, hardware = {p.node_class: p for p in profiles}, known()
+    kinds = []
+    for n in nodes:
+        if n.name in by_class:
+            kinds.append(from_profile(by_class[n.name], n.price, n.count))
+        elif n.name in hardware:
+            kinds.append(from_hardware(hardware[n.name], config, model, dtype, n.price, n.count))
+        else:
+            raise ValueError(f"node {n.name!r}: no --profile of that node class, and not one of {sorted(hardware)}")
+    return kinds
