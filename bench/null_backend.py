@@ -65,6 +65,12 @@ class NullBackend:
     def ready(self) -> bool:
         return True
 
+    def emit(self, kind: str, **fields: Any) -> None:
+        pass  # no cluster, no events
+
+    def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
+        return []
+
 
 class BareApp:
     """A raw ASGI app: any POST gets `whole` as a JSON body, or, when its JSON body says

@@ -8,6 +8,7 @@ Cluster failures answer 503 (the state store's outage with its own message); see
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -36,6 +37,9 @@ def pools(status: dict[str, Any]) -> dict[str, Any]:
 def can_serve(sizes: Mapping[str, int]) -> bool:
     """P/D needs a prefill and a decode worker; a colocated worker serves alone."""
     return (sizes.get("prefill", 0) > 0 and sizes.get("decode", 0) > 0) or sizes.get("colocated", 0) > 0
+
+
+_EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 
 
 def build(backend: Backend, settings: RouterSettings) -> APIRouter:
@@ -82,6 +86,17 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
         if not await cluster(backend.drain, worker_id):
             raise APIError(404, f"no worker {worker_id!r}", param="worker_id", code="unknown_worker")
         return {"worker_id": worker_id, "state": "draining"}
+
+    @api.get("/events")
+    async def events(since: str = "0-0", count: int = 100) -> dict[str, Any]:
+        """The cluster's events after id `since`, oldest first: scaled, autoscale (with its
+        reasons), worker died or replaced, ... Page on with the last id as `since`."""
+        if not _EVENT_ID.match(since):
+            raise APIError(400, "since must be an event id (digits-digits)", param="since")
+        if not 1 <= count <= 1000:
+            raise APIError(400, "count must be in 1..1000", param="count")
+        found = await cluster(backend.events, since, count)
+        return {"events": [{"id": event_id, **fields} for event_id, fields in found]}
 
     @api.post("/rebalance")
     async def rebalance(body: RebalanceBody) -> dict[str, Any]:

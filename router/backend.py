@@ -67,6 +67,14 @@ class Backend(Protocol):
         """True when a request could be served: a prefill and a decode worker up, or a colocated one."""
         ...
 
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Record a cluster event (scaled, autoscale, worker died, ...)."""
+        ...
+
+    def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
+        """Up to `count` events after the event id `since`, oldest first: (id, {kind, ts, ...})."""
+        ...
+
 
 def is_up(worker: dict[str, Any]) -> bool:
     return worker.get("state") == "up" and "free_blocks" in worker and not worker.get("draining", False)
@@ -122,6 +130,12 @@ class ClusterBackend:
 
     def drain(self, worker_id: str) -> bool:
         return self.cluster.drain(worker_id)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.cluster.state.emit(kind, **fields)
+
+    def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
+        return self.cluster.state.events(since, count)
 
     def ready(self) -> bool:
         """From the request path's view: still true while Redis is away, as serving is."""

@@ -25,6 +25,7 @@ from router.backend import Backend
 from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.settings import RouterSettings
+from router.window import LoadWindow
 
 log = logging.getLogger("tandem.router")
 access_log = logging.getLogger("tandem.router.requests")
@@ -153,6 +154,7 @@ class Dispatcher:
         self.settings = settings
         self.metrics = metrics
         self.admission = Admission(settings.max_running, settings.max_waiting, settings.max_waiting_total)
+        self.window = LoadWindow()  # what the autoscaler reads
         metrics.running.set_function(lambda: self.admission.running)
         metrics.waiting.set_function(lambda: self.admission.waiting)
 
@@ -225,6 +227,14 @@ class Dispatcher:
         if trace.placement is not None:
             m.observe_first(trace.placement)
 
+    def _window(self, trace: Trace) -> None:
+        if trace.status == 200 and trace.finish_reason is not None:
+            n = trace.completion_tokens
+            tpot = (trace.t_last - trace.t_first) / (n - 1) if n > 1 else 0.0
+            self.window.record(trace.t_arrival, trace.prompt_tokens, n, trace.t_first - trace.t_arrival, tpot)
+        elif trace.status == 429 or trace.status >= 500:  # the service failed it, not the client
+            self.window.record_failure(trace.t_arrival, trace.prompt_tokens)
+
     def finish(self, trace: Trace) -> None:
         """Record a request that has ended, well or not: metrics and its one log line (once)."""
         if trace.recorded:
@@ -239,6 +249,7 @@ class Dispatcher:
         if trace.t_first:
             m.prompt_tokens.inc(trace.prompt_tokens)
             m.generation_tokens.inc(trace.completion_tokens)
+        self._window(trace)
         if access_log.isEnabledFor(logging.INFO):  # the line costs ~70 us to build
             access_log.info(trace.log_line())
 

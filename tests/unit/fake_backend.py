@@ -49,6 +49,7 @@ class FakeBackend:
     closed: list[str] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
     params: list[SamplingParams] = field(default_factory=list)  # each generate's, in order
+    event_log: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = ModelInfo("fake-model", self.tokenizer, self.max_model_len, 1700000000)
@@ -116,6 +117,14 @@ class FakeBackend:
 
     def ready(self) -> bool:
         return ready_from(self.workers)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        entry = {"kind": kind, **{k: str(v) for k, v in fields.items()}}
+        self.event_log.append((f"{len(self.event_log) + 1}-0", entry))
+
+    def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
+        after = int(since.split("-")[0])
+        return [e for e in self.event_log if int(e[0].split("-")[0]) > after][:count]
 
 
 CHAT = "/v1/chat/completions"
