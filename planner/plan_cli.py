@@ -22,23 +22,9 @@ from engine.model_files import default_model_path
 from planner.kinds import model_config, parse_nodes, resolve
 from planner.profile import EngineProfile
 from planner.roofline import ModelShape
-from planner.search import SLO, Handoff, Option, cheapest, splits
+from planner.search import Handoff, Option, cheapest, splits
+from planner.slo import parse_slo
 from planner.trace import Trace, day_curve, synthetic
-
-
-def parse_slo(text: str) -> SLO:
-    """'ttft=2,tpot=50ms' -> SLO(2.0, 0.05): seconds, or with an 'ms' or 's' suffix."""
-    got: dict[str, float] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, _, value = item.partition("=")
-        scale = 1e-3 if value.endswith("ms") else 1.0
-        try:
-            got[key.strip()] = float(value.removesuffix("ms").removesuffix("s")) * scale
-        except ValueError:
-            raise ValueError(f"--slo: {item!r} is not KEY=SECONDS") from None
-    if set(got) != {"ttft", "tpot"} or min(got.values()) <= 0:
-        raise ValueError(f"--slo wants ttft=...,tpot=... (both > 0), got {text!r}")
-    return SLO(got["ttft"], got["tpot"])
 
 
 def load_trace(args: argparse.Namespace) -> Trace:

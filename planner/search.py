@@ -14,15 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from planner.simulator import ClusterSpec, Outcome, WorkerSpec, simulate
+from planner.slo import SLO
 from planner.trace import Trace
 
 TARGET = 0.9  # the share of requests that must meet their SLO (as `tandem bench compare`)
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
 
 
 SLOs = SLO | Mapping[str, SLO]  # one for all, or one per request class
@@ -132,7 +127,7 @@ def cheapest(kinds: list[NodeKind], trace: Trace, slo: SLOs, handoff: Handoff, l
             out.append(Option(f"{k.name} x{n} colocated", 0, 0, n, trace.rate, k.price * n))
     for p in kinds:
         for d in kinds:
-            sized = _size_pair(p, d, trace, slo, handoff, limit)
+            sized = size_pair(p, d, trace, slo, handoff, limit)
             if sized is not None:
                 n_p, n_d = sized
                 label = f"prefill {p.name} x{n_p} + decode {d.name} x{n_d}"
@@ -140,7 +135,7 @@ def cheapest(kinds: list[NodeKind], trace: Trace, slo: SLOs, handoff: Handoff, l
     return sorted(out, key=lambda o: o.price)
 
 
-def _size_pair(
+def size_pair(
     p: NodeKind, d: NodeKind, trace: Trace, slo: SLOs, handoff: Handoff, limit: int
 ) -> tuple[int, int] | None:
     """The fewest (prefill, decode) workers meeting the SLOs: decode sized with prefill at its

@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from router import autoscale_flags
 from router.settings import RouterSettings
 
 EXAMPLE = """\
@@ -98,6 +99,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-tls-cert", default=env("TANDEM_KV_TLS_CERT"), help="PEM certificate: TLS on the KV channel")
     ap.add_argument("--kv-tls-key", default=env("TANDEM_KV_TLS_KEY"), help="PEM private key of --kv-tls-cert")
     ap.add_argument("--kv-tls-ca", default=env("TANDEM_KV_TLS_CA"), help="PEM CA: verify peers (mutual TLS)")
+    autoscale_flags.add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -187,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(args.host, args.port)
     except PortUnavailable as e:
         raise SystemExit(f"tandem serve: {e}") from None
+    try:
+        autoscale = autoscale_flags.config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"tandem serve: {e}") from None
     if args.join:
         os.environ.setdefault("RAY_ADDRESS", "auto")
     from cluster.cluster import Cluster, ClusterConfig
@@ -247,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
         backend = ClusterBackend(cluster, settings.routing_policy)
         app = create_app(backend, settings)
+        if autoscale is not None:
+            from router import autoscaler
+
+            autoscaler.start(args, autoscale, backend, app.state.dispatcher.window, stop)
+            print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
         url = f"http://{settings.host}:{settings.port}"
         print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
         print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)

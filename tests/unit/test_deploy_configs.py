@@ -25,3 +25,8 @@ def test_roles_are_advertised() -> None:
     assert types["prefill_h100"]["resources"] == {"prefill": 8}
     assert types["decode_h200"]["resources"] == {"decode": 8}
     assert "tandem serve" in " ".join(aws["head_start_ray_commands"])
+
+
+def test_the_autoscaler_section_is_opt_in() -> None:
+    head = " ".join(yaml.safe_load((DEPLOY / "cluster.yaml").read_text())["head_start_ray_commands"])
+    assert 'TANDEM_AUTOSCALE=""' in head and "TANDEM_SLO=" in head  # off until an operator sets bounds

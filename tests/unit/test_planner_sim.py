@@ -10,10 +10,10 @@ import pytest
 
 from planner.kinds import parse_nodes
 from planner.plan_cli import main as plan_main
-from planner.plan_cli import parse_slo
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint
-from planner.search import SLO, Handoff, NodeKind, cheapest, colocated, goodput, splits
+from planner.search import Handoff, NodeKind, cheapest, colocated, goodput, splits
 from planner.simulator import ClusterSpec, WorkerSpec, simulate
+from planner.slo import SLO, parse_slo
 from planner.step_costs import StepCosts, attention_work
 from planner.trace import Trace
 

@@ -1,0 +1,135 @@
+"""The autoscaler's policy: from the router's last window and the planner's sizes to the pool
+sizes to set now, with the reasons. Plain values in and out: no clock, no Ray, no Redis.
+
+    planned    the sizes the planner finds meeting the SLOs for the window's traffic (or None:
+               no profile to plan with, so only the window's attainment speaks)
+    step       each pool moves toward its planned size by at most `max_step` a decision,
+               within [min, max] of its role
+    up         at once, when the plan asks for more, or when attainment is under target and
+               the plan asks for no change: one more of the pool whose SLO is missed (TTFT:
+               prefill, or colocated; TPOT: decode, or colocated)
+    down       only after `down_after` windows in a row all planned lower, and never while
+               attainment is under target (hysteresis: a dip in traffic does not shed workers)
+    cooldown   no change within `cooldown_s` of the last one (a new worker needs time to load
+               and to show in the window)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min: Mapping[str, int] = field(default_factory=dict)  # per role; default 0
+    max: Mapping[str, int] = field(default_factory=dict)  # per role; default: no limit
+    max_step: int = 1
+    cooldown_s: float = 60.0
+    down_after: int = 3  # windows in a row that plan lower before a pool shrinks
+    target: float = 0.9  # attainment the SLOs ask for
+
+    def __post_init__(self) -> None:
+        if self.max_step < 1 or self.cooldown_s < 0 or self.down_after < 1 or not 0 < self.target <= 1:
+            raise ValueError(f"bad autoscaler bounds: {self}")
+        for role, lo in self.min.items():
+            if lo < 0 or lo > self.max.get(role, lo):
+                raise ValueError(f"bounds for {role}: need 0 <= min <= max, got {lo}..{self.max.get(role)}")
+
+    def clamp(self, role: str, n: int) -> int:
+        return max(self.min.get(role, 0), min(n, self.max.get(role, n)))
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the router saw over the last interval."""
+
+    seconds: float
+    requests: int
+    ttft_attainment: float  # share of requests within the TTFT SLO (1.0 with no requests)
+    tpot_attainment: float
+    queue_depth: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the policy carries from one decision to the next."""
+
+    last_change_s: float | None = None
+    lower_in_a_row: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    sizes: Mapping[str, int]
+    reasons: tuple[str, ...]
+    changed: bool
+
+
+def decide(
+    now_s: float,
+    current: Mapping[str, int],
+    planned: Mapping[str, int] | None,
+    window: Window,
+    bounds: Bounds,
+    memory: Memory,
+) -> tuple[Decision, Memory]:
+    """The sizes to set now (see the module docstring), and the memory for the next call."""
+    missing = window.requests > 0 and min(window.ttft_attainment, window.tpot_attainment) < bounds.target
+    want = dict(planned) if planned is not None else dict(current)
+    reasons = [_window_reason(window, bounds)]
+    if planned is None:
+        reasons.append("no profile to plan with: attainment alone decides")
+    if missing and all(want.get(r, 0) <= current.get(r, 0) for r in ROLES):
+        for role in _short_roles(current, window, bounds):
+            want[role] = current.get(role, 0) + 1
+            reasons.append(f"{role}: +1, its SLO is missed and the plan asks no more")
+    lower = {r: memory.lower_in_a_row.get(r, 0) + 1 if want.get(r, 0) < current.get(r, 0) else 0 for r in ROLES}
+    sizes = dict(current)
+    for role in ROLES:
+        have, goal = current.get(role, 0), bounds.clamp(role, want.get(role, 0))
+        if goal == have:
+            continue
+        if goal < have and missing:
+            reasons.append(f"{role}: hold at {have}, not {goal}: attainment is under target")
+            continue
+        if goal < have and lower[role] < bounds.down_after:
+            reasons.append(f"{role}: hold at {have}, planned {goal} for {lower[role]} of {bounds.down_after} windows")
+            continue
+        step = max(-bounds.max_step, min(bounds.max_step, goal - have))
+        sizes[role] = have + step
+        reasons.append(f"{role}: {have} -> {have + step} (planned {want.get(role, 0)}, bounds "
+                       f"{bounds.min.get(role, 0)}..{bounds.max.get(role, '-')})")  # fmt: skip
+    changed = sizes != dict(current)
+    if changed and memory.last_change_s is not None and now_s - memory.last_change_s < bounds.cooldown_s:
+        wait = bounds.cooldown_s - (now_s - memory.last_change_s)
+        return Decision(dict(current), (*reasons, f"cooldown: {wait:.0f} s left, no change"), False), replace(
+            memory, lower_in_a_row=lower
+        )
+    if changed:
+        lower = {r: 0 if sizes[r] != current.get(r, 0) else lower[r] for r in ROLES}
+        memory = Memory(now_s, lower)
+    else:
+        memory = replace(memory, lower_in_a_row=lower)
+    return Decision(sizes, tuple(reasons), changed), memory
+
+
+def _short_roles(current: Mapping[str, int], window: Window, bounds: Bounds) -> list[str]:
+    """The pools whose SLO the window misses: TTFT -> prefill, TPOT -> decode; colocated for either."""
+    if current.get("colocated", 0) and not current.get("prefill", 0):
+        return ["colocated"]
+    short = []
+    if window.ttft_attainment < bounds.target:
+        short.append("prefill")
+    if window.tpot_attainment < bounds.target:
+        short.append("decode")
+    return short
+
+
+def _window_reason(w: Window, bounds: Bounds) -> str:
+    return (f"window {w.seconds:.0f} s: {w.requests} requests ({w.requests / max(w.seconds, 1e-9):.2f}/s), "
+            f"TTFT attainment {w.ttft_attainment:.0%}, TPOT {w.tpot_attainment:.0%} (target {bounds.target:.0%}), "
+            f"queue {w.queue_depth}, KV {w.kv_usage:.0%}")  # fmt: skip

@@ -1,0 +1,140 @@
+"""The autoscaler (opt-in: `tandem serve --autoscale`): every interval it takes the router's
+window (router.window), plans pool sizes for that traffic with the simulator when it has a
+profile (planner.search), lets the policy (planner.autoscale.decide) move the desired sizes
+toward the plan within the operator's bounds, and records the decision, with its reasons, as a
+cluster event (`GET /admin/events`). The pool manager then starts or drains workers as it does
+for `/admin/pools`.
+
+It runs on its own thread in the router's process and calls the backend like the admin API does;
+no lock is held across those calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from planner.autoscale import ROLES, Decision, Memory, Window, decide
+from planner.search import Handoff, NodeKind, colocated, meets, size_pair
+from planner.slo import SLO
+from planner.trace import Trace
+from router.autoscale_flags import AutoscaleConfig
+from router.backend import Backend
+from router.window import LoadWindow, Taken
+
+log = logging.getLogger("tandem.autoscaler")
+
+# the sizes meeting the SLOs for a trace, given the current ones (P/D or colocated); None: no answer
+Planner = Callable[[Trace, SLO, Mapping[str, int]], dict[str, int] | None]
+
+
+def window_trace(taken: Taken) -> Trace | None:
+    """The window's finished requests as a trace (by arrival), or None with fewer than two."""
+    ok = sorted((s for s in taken.samples if math.isfinite(s.ttft_s)), key=lambda s: s.arrival)
+    if len(ok) < 2:
+        return None
+    t0 = ok[0].arrival
+    return Trace.of([(s.arrival - t0, max(1, s.prompt), 0, max(1, s.output), "") for s in ok])
+
+
+def profile_planner(kind: NodeKind, handoff: Handoff, limit: int = 64) -> Planner:
+    """Sizes from the simulator over one node kind's profile: the fewest colocated workers, or
+    the fewest prefill and decode workers, meeting the SLOs."""
+
+    def plan(trace: Trace, slo: SLO, current: Mapping[str, int]) -> dict[str, int] | None:
+        if current.get("colocated", 0) and not current.get("prefill", 0):
+            for n in range(1, limit + 1):
+                if meets(colocated(kind, n), trace, slo):
+                    return {"prefill": 0, "decode": 0, "colocated": n}
+            return None
+        sized = size_pair(kind, kind, trace, slo, handoff, limit)
+        return None if sized is None else {"prefill": sized[0], "decode": sized[1], "colocated": 0}
+
+    return plan
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        backend: Backend,
+        window: LoadWindow,
+        config: AutoscaleConfig,
+        planner: Planner | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend, self.window, self.config, self.planner, self.clock = backend, window, config, planner, clock
+        self.memory = Memory()
+
+    def tick(self) -> Decision:
+        """One decision: take the window, plan, decide, scale, record the event."""
+        taken = self.window.take()
+        status = self.backend.status()
+        desired = status.get("desired", {})
+        current = {r: int(desired.get(r, 0)) for r in ROLES}
+        workers = [w for w in status.get("workers", []) if w.get("state") == "up"]
+        slo = self.config.slo
+        n = len(taken.samples)
+        window = Window(
+            taken.seconds,
+            taken.requests,
+            sum(s.ttft_s <= slo.ttft_s for s in taken.samples) / n if n else 1.0,
+            sum(s.tpot_s <= slo.tpot_s for s in taken.samples) / n if n else 1.0,
+            sum(int(w.get("waiting", 0)) for w in workers),
+            statistics.fmean(float(w.get("kv_usage", 0.0)) for w in workers) if workers else 0.0,
+        )
+        planned = None
+        trace = window_trace(taken) if self.planner is not None else None
+        if self.planner is not None and trace is not None:
+            planned = self.planner(trace.at_rate(self.config.headroom), slo, current)
+        decision, self.memory = decide(self.clock(), current, planned, window, self.config.bounds, self.memory)
+        if decision.changed:
+            for role in ROLES:
+                if decision.sizes[role] != current[role]:
+                    self.backend.scale(role, decision.sizes[role])
+        held = any("hold" in r or "cooldown" in r for r in decision.reasons)
+        if decision.changed or held:
+            sizes = {r: decision.sizes[r] for r in ROLES}
+            self.backend.emit("autoscale", changed=decision.changed, sizes=sizes, planned=planned,
+                              reasons=list(decision.reasons))  # fmt: skip
+            log.info("autoscale %s: %s", "changed" if decision.changed else "held", "; ".join(decision.reasons))
+        return decision
+
+    def run(self, stop: threading.Event) -> None:
+        """Decide every interval until `stop` is set; a failed round is logged and skipped."""
+        while not stop.wait(self.config.interval_s):
+            try:
+                self.tick()
+            except Exception as e:
+                log.warning("autoscale round failed: %r", e)
+
+
+def start(args: argparse.Namespace, config: AutoscaleConfig, backend: Backend, window: LoadWindow,
+          stop: threading.Event) -> Autoscaler:  # fmt: skip
+    """Build the autoscaler for `tandem serve` and run it on a daemon thread until `stop`."""
+    planner = None
+    if args.autoscale_profile:
+        from planner.kinds import from_profile
+        from planner.profile import EngineProfile
+        from planner.roofline import ModelShape
+
+        profile = EngineProfile.load(args.autoscale_profile)
+        kind = from_profile(profile, 0.0, max(config.bounds.max.values()))
+        shape = ModelShape.of(backend_config(args), profile.dtype, profile.kv_dtype)
+        planner = profile_planner(kind, Handoff(0.007, shape.kv_bytes_per_token))
+    scaler = Autoscaler(backend, window, config, planner)
+    threading.Thread(target=scaler.run, args=(stop,), name="autoscaler", daemon=True).start()
+    return scaler
+
+
+def backend_config(args: argparse.Namespace) -> Any:
+    """The served model's shape (for the KV bytes a hand-off moves)."""
+    from engine.model_files import default_model_path
+    from engine.weights import load_checkpoint
+
+    return load_checkpoint(args.model or default_model_path())[0]

@@ -1,0 +1,85 @@
+"""planner.autoscale.decide as a pure function: steps toward the plan, bounds, cooldown, and
+hysteresis on the way down."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.autoscale import Bounds, Memory, Window, decide
+
+GOOD = Window(60, 120, 1.0, 1.0)
+SLOW_DECODE = Window(60, 120, 0.98, 0.6)
+PD = {"prefill": 1, "decode": 1, "colocated": 0}
+BOUNDS = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 4, "decode": 4}, max_step=1, cooldown_s=60)
+
+
+def test_steps_toward_the_plan_by_at_most_max_step() -> None:
+    d, mem = decide(0, PD, {"prefill": 1, "decode": 4}, GOOD, BOUNDS, Memory())
+    assert d.changed and d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}
+    assert mem.last_change_s == 0
+    assert any("decode: 1 -> 2" in r for r in d.reasons)
+    wide = Bounds(max={"decode": 8}, max_step=4)
+    assert decide(0, PD, {"prefill": 1, "decode": 8}, GOOD, wide, Memory())[0].sizes["decode"] == 5
+
+
+def test_bounds_clamp_the_plan() -> None:
+    d, _ = decide(0, {"prefill": 4, "decode": 4, "colocated": 0}, {"prefill": 9, "decode": 9}, GOOD, BOUNDS, Memory())
+    assert not d.changed and d.sizes == {"prefill": 4, "decode": 4, "colocated": 0}
+    with pytest.raises(ValueError):
+        Bounds(min={"decode": 3}, max={"decode": 2})
+    with pytest.raises(ValueError):
+        Bounds(max_step=0)
+
+
+def test_cooldown_holds_a_change() -> None:
+    _, mem = decide(0, PD, {"prefill": 1, "decode": 3}, GOOD, BOUNDS, Memory())
+    after = {"prefill": 1, "decode": 2, "colocated": 0}
+    d, mem2 = decide(30, after, {"prefill": 1, "decode": 3}, GOOD, BOUNDS, mem)
+    assert not d.changed and d.sizes == after
+    assert any("cooldown: 30 s left" in r for r in d.reasons)
+    assert mem2.last_change_s == 0
+    d, _ = decide(61, after, {"prefill": 1, "decode": 3}, GOOD, BOUNDS, mem2)
+    assert d.changed and d.sizes["decode"] == 3
+
+
+def test_down_only_after_several_lower_windows() -> None:
+    big = {"prefill": 2, "decode": 3, "colocated": 0}
+    plan = {"prefill": 2, "decode": 1}
+    mem = Memory()
+    for n in (1, 2):
+        d, mem = decide(1000 + n, big, plan, GOOD, BOUNDS, mem)
+        assert not d.changed
+        assert any(f"planned 1 for {n} of 3 windows" in r for r in d.reasons)
+    d, mem = decide(1003, big, plan, GOOD, BOUNDS, mem)
+    assert d.changed and d.sizes["decode"] == 2
+    assert mem.lower_in_a_row["decode"] == 0  # the count starts again after a step
+    # a window that plans no lower resets the count
+    d, mem = decide(2000, {**big, "decode": 2}, {"prefill": 2, "decode": 2}, GOOD, BOUNDS, mem)
+    assert mem.lower_in_a_row["decode"] == 0
+
+
+def test_never_down_while_attainment_is_missed() -> None:
+    mem = Memory(lower_in_a_row={"decode": 5})
+    slow_first = Window(60, 120, 0.5, 1.0)
+    current = {"prefill": 1, "decode": 3, "colocated": 0}
+    d, _ = decide(0, current, {"prefill": 1, "decode": 1}, slow_first, BOUNDS, mem)
+    assert d.sizes == {"prefill": 2, "decode": 3, "colocated": 0}  # prefill +1 for TTFT; decode held
+    assert any("decode: hold at 3, not 1: attainment is under target" in r for r in d.reasons)
+
+
+def test_a_missed_slo_adds_to_its_pool_when_the_plan_asks_no_more() -> None:
+    d, _ = decide(0, PD, PD, SLOW_DECODE, BOUNDS, Memory())
+    assert d.changed and d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}
+    assert any("decode: +1, its SLO is missed" in r for r in d.reasons)
+    slow_first = Window(60, 50, 0.5, 1.0)
+    d, _ = decide(0, PD, None, slow_first, BOUNDS, Memory())  # no profile: attainment alone
+    assert d.sizes["prefill"] == 2
+    assert any("no profile" in r for r in d.reasons)
+    colo = {"prefill": 0, "decode": 0, "colocated": 1}
+    d, _ = decide(0, colo, None, slow_first, Bounds(max={"colocated": 2}), Memory())
+    assert d.sizes["colocated"] == 2
+
+
+def test_an_idle_window_changes_nothing_without_a_plan() -> None:
+    d, _ = decide(0, PD, None, Window(60, 0, 1.0, 1.0), BOUNDS, Memory())
+    assert not d.changed
