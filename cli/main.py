@@ -24,6 +24,7 @@ BENCHES = {
     "chaos": "bench.chaos",
     "efficiency": "bench.efficiency",
     "spec": "bench.spec_bench",
+    "planner": "bench.planner_bench",
 }
 
 

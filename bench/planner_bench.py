@@ -1,0 +1,162 @@
+"""`tandem bench planner`: the simulator (planner.simulator) against what `tandem bench compare`
+measured, and the simulator's speed at cluster scale.
+
+validation  For each mix and system of a compare.json (colocated 1 worker x 2 threads, P/D 1P+1D
+            x 1 thread), each measured rate is replayed in the simulator on the very requests and
+            arrival times the sweep sent (bench.workloads.make_items and bench.loadgen.arrivals with
+            the sweep's seeds; prompts counted with the chat template), on the profile of a worker
+            with that many threads. Goodput = bench.stats.max_rate_meeting over those points, with
+            the measured per-class SLOs, as the compare computes it. Error = |simulated - measured|
+            / measured. Without --compare it runs `tandem bench compare --quick` on the two mixes
+            first; without profiles it measures them (`tandem profile`, 1 and 2 threads).
+scale       1,000 workers (500 prefill H100 + 500 decode H200, a Llama-3.1-8B roofline) and 1M
+            chat requests: the wall time of one simulation (--no-scale skips it).
+
+The autoscaler's load step (recovery_s_*) is not here: the autoscaler is not built yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.compare import FULL, MIX_SEED_STRIDE, QUICK
+from bench.loadgen import arrivals
+from bench.stats import max_rate_meeting
+from bench.workloads import MIXES, make_items
+from engine.model_files import default_model_path
+from engine.tokenizer import Tokenizer
+from planner.profile import EngineProfile
+from planner.search import Handoff, NodeKind, attainment, colocated
+from planner.simulator import ClusterSpec, WorkerSpec, simulate
+from planner.slo import SLO
+from planner.step_costs import StepCosts
+from planner.trace import Trace, synthetic
+
+VALIDATED = ("prefill_heavy", "decode_heavy")
+PD_FIXED_S = 0.007  # P/D's fixed cost over colocated at idle (`tandem bench router`, README)
+
+
+@dataclass(frozen=True)
+class Row:
+    mix: str
+    system: str
+    measured: float
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        return abs(self.simulated - self.measured) / self.measured if self.measured else float("inf")
+
+
+def _spec(system: dict[str, Any], profile: EngineProfile, kv_tokens: int) -> ClusterSpec:
+    worker = WorkerSpec(StepCosts.fit(profile), kv_tokens)
+    if system["colocated"]:
+        return colocated(NodeKind(system["name"], worker), system["colocated"])
+    gbps = profile.transfer_gbps.get("grpc", 1.0)
+    kv_per_token = _kv_bytes_per_token(profile)
+    return ClusterSpec((worker,) * system["prefill"], (worker,) * system["decode"], (),
+                       PD_FIXED_S, kv_per_token / (gbps * 1e9))  # fmt: skip
+
+
+def _kv_bytes_per_token(profile: EngineProfile) -> float:
+    from engine.weights import load_checkpoint
+    from planner.roofline import ModelShape
+
+    config = load_checkpoint(default_model_path())[0]
+    return ModelShape.of(config, profile.dtype, profile.kv_dtype).kv_bytes_per_token
+
+
+def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tokenizer) -> list[Row]:
+    """Simulated vs measured goodput for each validated mix and system of `compare` (see above)."""
+    plan = QUICK if compare["meta"]["quick"] else FULL
+    seed = compare["meta"]["seed"]
+    kv_tokens = plan.num_blocks * 16
+    rows = []
+    for name in VALIDATED:
+        if name not in compare:
+            continue
+        mix_seed = seed + MIX_SEED_STRIDE * list(FULL.mixes).index(name)
+        slo = {c: SLO(s["ttft_s"], s["tpot_s"]) for c, s in compare[name]["slo"]["classes"].items()}
+        for system in compare["meta"]["systems"]:
+            measured = compare[name]["systems"][system["name"]]
+            spec = _spec(system, profiles[system["threads"]], kv_tokens)
+            points = []
+            for i, point in enumerate(measured["points"]):
+                items = make_items(plan.mixes[name], point["requests"], seed=mix_seed + i, salt=i)
+                at = arrivals(len(items), point["rate"], "poisson", mix_seed + i)
+                prompts = [len(tok.encode(tok.apply_chat_template(it.message_dicts()))) for it in items]
+                requests = zip(at, prompts, items, strict=True)
+                trace = Trace.of([(a, p, 0, it.max_tokens, it.cls) for a, p, it in requests])
+                points.append((point["rate"], attainment(trace, simulate(spec, trace), slo)))
+            rows.append(Row(name, system["name"], measured["goodput_rps"], max_rate_meeting(points)))
+    return rows
+
+
+def scale_seconds(requests: int = 1_000_000, workers: int = 1000) -> float:
+    """Wall time of one simulation of `requests` chat requests on workers/2 prefill H100s and
+    workers/2 decode H200s serving Llama-3.1-8B (roofline profiles), at 70% of their capacity."""
+    from planner.hardware import known
+    from planner.kinds import from_hardware, model_config
+    from planner.roofline import ModelShape
+
+    config, hw = model_config("llama-3.1-8b"), known()
+    h100 = from_hardware(hw["H100-SXM"], config, "llama-3.1-8b", "bf16", 0.0, workers // 2)
+    h200 = from_hardware(hw["H200-SXM"], config, "llama-3.1-8b", "bf16", 0.0, workers // 2)
+    handoff = Handoff(0.002, ModelShape.of(config, "bf16", "bf16").kv_bytes_per_token)
+    trace = synthetic(MIXES["chat"], 40.0 * workers, requests, seed=1)
+    t = time.perf_counter()
+    simulate(handoff.spec(h100, workers // 2, h200, workers // 2), trace)
+    return time.perf_counter() - t
+
+
+def _profiles(args: argparse.Namespace, out: Path) -> dict[int, EngineProfile]:
+    from planner.measure import main as profile_main
+
+    paths = {1: args.profile_1t, 2: args.profile_2t}
+    for threads, path in paths.items():
+        if path is None:
+            paths[threads] = str(out / f"profile-{threads}t.json")
+            profile_main(["--threads", str(threads), "--transports", "grpc", "--out", paths[threads], "--json"])
+    return {t: EngineProfile.load(p) for t, p in paths.items() if p is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(prog="tandem bench planner", description=__doc__, formatter_class=raw)
+    ap.add_argument("--compare", help="a `tandem bench compare --json` result (default: run it, quick)")
+    ap.add_argument("--profile-1t", help="`tandem profile --threads 1` JSON (default: measure it)")
+    ap.add_argument("--profile-2t", help="`tandem profile --threads 2` JSON (default: measure it)")
+    ap.add_argument("--no-scale", action="store_true", help="skip the 1,000-worker, 1M-request timing")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(tempfile.mkdtemp(prefix="tandem-bench-planner-"))
+    if args.compare:
+        compare = json.loads(Path(args.compare).read_text())
+    else:
+        from bench.compare import main as compare_main
+
+        mixes = [a for m in VALIDATED for a in ("--mix", m)]
+        compare_main(["--quick", *mixes, "--out", str(out), "--no-progress", "--json"])
+        compare = json.loads((out / "compare.json").read_text())
+    rows = replay(compare, _profiles(args, out), Tokenizer.load(default_model_path()))
+    points = [{"mix": r.mix, "system": r.system, "measured_rps": r.measured, "simulated_rps": r.simulated,
+               "error": r.error} for r in rows]  # fmt: skip
+    report: dict[str, Any] = {"points": points, "sim_error_max": max((r.error for r in rows), default=None)}
+    if not args.no_scale:
+        report["sim_1000_workers_s"] = scale_seconds()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{'mix':<16}{'system':<18}{'measured req/s':>16}{'simulated':>12}{'error':>8}")
+    for r in rows:
+        print(f"{r.mix:<16}{r.system:<18}{r.measured:>16.3f}{r.simulated:>12.3f}{r.error:>8.0%}")
+    print(f"largest error: {report['sim_error_max']:.0%} (target <= 25%)")
+    if "sim_1000_workers_s" in report:
+        print(f"1,000 workers, 1M requests simulated in {report['sim_1000_workers_s']:.1f} s (target < 60 s)")
+    return 0

@@ -1,0 +1,34 @@
+"""`tandem bench planner`'s replay: a compare.json's sweep points re-run in the simulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.compare import QUICK
+from bench.planner_bench import replay
+from engine.tokenizer import Tokenizer
+from planner.profile import DecodePoint, EngineProfile, PrefillPoint
+
+
+def profile(scale: float) -> EngineProfile:
+    prefill = tuple(PrefillPoint(u, 0, scale * 0.001 * u) for u in (64, 256, 1024))
+    decode = tuple(DecodePoint(b, 100 * b, scale * (0.01 + 0.002 * b)) for b in (1, 4, 16))
+    return EngineProfile("toy", "measured", "m", "fp32", "fp32", prefill, decode, {"grpc": 1.0})
+
+
+def compare_json() -> dict[str, Any]:
+    systems = [s.__dict__ | {"cores": s.cores} for s in QUICK.systems]
+    points = [{"rate": r, "attainment": 1.0, "requests": 6} for r in (0.5, 1.0, 2.0)]
+    mix = {
+        "slo": {"classes": {"chat-long": {"ttft_s": 1.0, "tpot_s": 0.05}}},
+        "systems": {s["name"]: {"goodput_rps": 2.0, "points": points} for s in systems},
+    }
+    return {"meta": {"quick": True, "seed": 0, "systems": systems}, "decode_heavy": mix}
+
+
+def test_replay_simulates_each_measured_point(smollm_tokenizer: Tokenizer) -> None:
+    fast = replay(compare_json(), {1: profile(1.0), 2: profile(0.5)}, smollm_tokenizer)
+    assert [(r.mix, r.system) for r in fast] == [("decode_heavy", s.name) for s in QUICK.systems]
+    assert all(r.simulated == 2.0 and r.error == 0.0 for r in fast)  # every point meets the SLO
+    slow = replay(compare_json(), {1: profile(50.0), 2: profile(50.0)}, smollm_tokenizer)
+    assert all(r.simulated == 0.0 and r.error == 1.0 for r in slow)  # none does
