@@ -14,11 +14,12 @@ import uuid
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router import admin, errors, openai_api
+from router import admin, errors, openai_api, tracing
 from router.backend import Backend
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
@@ -94,10 +95,15 @@ class BodyLimitMiddleware:
         await self.app(scope, counted, send)
 
 
-def create_app(backend: Backend, settings: RouterSettings | None = None) -> FastAPI:
+def create_app(
+    backend: Backend, settings: RouterSettings | None = None, tracer_provider: TracerProvider | None = None
+) -> FastAPI:
+    """`tracer_provider`: where requests' spans go (router.tracing); default: OTLP when the
+    OTEL_EXPORTER_OTLP_* variables are set, else none."""
     settings = settings or RouterSettings()
     metrics = Metrics()
-    dispatcher = Dispatcher(backend, settings, metrics)
+    provider = tracer_provider or tracing.provider_from_env()
+    dispatcher = Dispatcher(backend, settings, metrics, tracing.RequestTracer(provider) if provider else None)
     app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
     errors.install(app, settings.retry_after_s)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

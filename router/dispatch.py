@@ -25,6 +25,7 @@ from router.backend import Backend
 from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.settings import RouterSettings
+from router.tracing import RequestTracer
 from router.window import LoadWindow
 
 log = logging.getLogger("tandem.router")
@@ -60,6 +61,7 @@ class Trace:
     status: int = 200
     error: str | None = None
     recorded: bool = False
+    traceparent: str | None = None  # the client's W3C trace context, if it sent one
 
     def timing(self) -> dict[str, Any]:
         """queue (router + worker), route, prefill, transfer, first decode (transfer done to first
@@ -149,12 +151,15 @@ class Run:
 
 
 class Dispatcher:
-    def __init__(self, backend: Backend, settings: RouterSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, backend: Backend, settings: RouterSettings, metrics: Metrics, tracer: RequestTracer | None = None
+    ) -> None:
         self.backend = backend
         self.settings = settings
         self.metrics = metrics
         self.admission = Admission(settings.max_running, settings.max_waiting, settings.max_waiting_total)
         self.window = LoadWindow()  # what the autoscaler reads
+        self.tracer = tracer
         metrics.running.set_function(lambda: self.admission.running)
         metrics.waiting.set_function(lambda: self.admission.waiting)
 
@@ -250,6 +255,11 @@ class Dispatcher:
             m.prompt_tokens.inc(trace.prompt_tokens)
             m.generation_tokens.inc(trace.completion_tokens)
         self._window(trace)
+        if self.tracer is not None:
+            try:
+                self.tracer.record(trace)
+            except Exception as e:  # a tracing fault never fails a request
+                log.warning("request %s: its spans were not recorded: %r", trace.request_id, e)
         if access_log.isEnabledFor(logging.INFO):  # the line costs ~70 us to build
             access_log.info(trace.log_line())
 

@@ -88,6 +88,7 @@ async def _serve(
 ) -> Response:
     rid: str = request.state.request_id
     trace = Trace(rid, kind, stream=body.stream, priority=body.priority, user=body.user)
+    trace.traceparent = request.headers.get("traceparent")
     model = d.backend.model
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = Shape(kind, prefix + rid, d.settings.model_name or model.name, model.tokenizer)

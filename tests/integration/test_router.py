@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ import openai
 import pytest
 import ray
 import uvicorn
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from cli.admin import main as admin_cli
@@ -27,12 +30,16 @@ from engine.config import EngineConfig
 from router.app import create_app
 from router.backend import ClusterBackend
 from router.settings import RouterSettings
+from router.tracing import new_provider
 from tests.integration.waits import until
 from tests.unit.test_dashboard import SPEC_ONLY, dashboard_metrics
 
 TOKEN = "itest-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+SPANS = InMemorySpanExporter()  # every request's spans (router.tracing)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,9 @@ def url(cluster: Cluster) -> Iterator[str]:
         port = s.getsockname()[1]
     # Prompts under 32 uncached tokens run colocated when a colocated worker is up (none is, by default).
     backend = ClusterBackend(cluster, RoutingPolicy(colocate_below_tokens=32))
-    app = create_app(backend, RouterSettings(port=port, admin_token=TOKEN))
+    provider = new_provider()
+    provider.add_span_processor(SimpleSpanProcessor(SPANS))
+    app = create_app(backend, RouterSettings(port=port, admin_token=TOKEN), provider)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
@@ -245,3 +254,21 @@ def test_metrics_parse_and_move(url: str, model: str) -> None:
     httpx.post(f"{url}/v1/completions", json={"model": "no-such-model", "prompt": "Hello"}, timeout=60)  # a rejection
     live = {s.name for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in f.samples}
     assert not {m for m in dashboard_metrics() if not m.startswith(SPEC_ONLY)} - live
+
+
+def test_a_pd_request_is_traced_router_prefill_transfer_decode(url: str, model: str) -> None:
+    rid = uuid.uuid4().hex
+    body = {"model": model, "prompt": "The capital of France is a city that " * 8, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid}, timeout=60)
+    timing = json.loads(r.headers["x-tandem-timing"])
+    spans = [s for s in SPANS.get_finished_spans() if s.context is not None and s.context.trace_id == int(rid, 16)]
+    root = next(s for s in spans if s.name == "tandem.request")
+    parts = sorted((s for s in spans if s is not root), key=lambda s: s.start_time or 0)
+    assert [s.name for s in parts] == ["router.queue", "route", "worker.queue", "prefill", "kv_transfer",
+                                       "first_decode", "decode"]  # fmt: skip
+    assert root.context is not None and all(s.parent and s.parent.span_id == root.context.span_id for s in parts)
+    attrs = {s.name: dict(s.attributes or {}) for s in spans}
+    assert attrs["prefill"]["tandem.worker"] == timing["prefill_worker"] != timing["decode_worker"]
+    assert attrs["decode"]["tandem.worker"] == timing["decode_worker"]
+    assert attrs["kv_transfer"]["tandem.bytes"] == timing["transfer_bytes"] > 0
+    assert attrs["tandem.request"]["gen_ai.usage.output_tokens"] == 4
