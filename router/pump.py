@@ -40,11 +40,11 @@ class ThreadPump(Generic[T]):
         self._room = threading.Condition()  # guards everything below; the thread waits on it for room
         self._items: deque[T] = deque()
         self._read_ahead = read_ahead
-        self._done = False  # the iterator ended, raised, or the pump was closed
+        self._done = False  # the iterator ended or raised
         self._error: BaseException | None = None  # what it raised, until `next` raises it
         self._waiter: asyncio.Future[None] | None = None  # the loop's `next`, waiting for an item
         self._it: Iterator[T] | None = None
-        self._closing = False
+        self._closing = False  # `close` was called: `next` answers None from then on
         self.closed = threading.Event()  # set once the iterator is closed and the thread is done
         self.name = name
         _POOL.submit(self._run, make)

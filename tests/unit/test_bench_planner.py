@@ -16,12 +16,15 @@ def profile(scale: float) -> EngineProfile:
     return EngineProfile("toy", "measured", "m", "fp32", "fp32", prefill, decode, {"grpc": 1.0})
 
 
+ALONE = {"chat-long": {"ttft_s": 0.01, "tpot_s": 0.005}}  # under the toy engine's: no offset
+
+
 def compare_json() -> dict[str, Any]:
     systems = [s.__dict__ | {"cores": s.cores} for s in QUICK.systems]
     points = [{"rate": r, "attainment": 1.0, "requests": 6} for r in (0.5, 1.0, 2.0)]
     mix = {
         "slo": {"classes": {"chat-long": {"ttft_s": 1.0, "tpot_s": 0.05}}},
-        "systems": {s["name"]: {"goodput_rps": 2.0, "points": points} for s in systems},
+        "systems": {s["name"]: {"goodput_rps": 2.0, "points": points, "unloaded": ALONE} for s in systems},
     }
     return {"meta": {"quick": True, "seed": 0, "systems": systems}, "decode_heavy": mix}
 
