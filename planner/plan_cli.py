@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="for hardware nodes: a checkpoint or a shape in models.json")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "int8", "fp8"], help="hardware nodes")
     ap.add_argument("--transfer-fixed-ms", type=float, default=5.0, help="a P/D hand-off's fixed cost")
-    ap.add_argument("--splits", type=int, default=16, help="P:D splits tried per node kind, at most")
+    ap.add_argument("--splits", type=int, default=16, help="P:D splits tried per node kind, at most (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = profiles[0].dtype if profiles and not args.model else args.dtype
     handoff = Handoff(args.transfer_fixed_ms / 1e3, ModelShape.of(config, dtype, kv_dtype).kv_bytes_per_token)
     report: dict[str, object] = {"requests": len(trace), "rate": trace.rate, "slo": asdict(slo)}
-    by_kind = {k.name: splits(k, k.available or 1, trace, slo, handoff, args.splits) for k in kinds if k.available}
+    by_kind = {k.name: splits(k, k.available or 1, trace, slo, handoff, args.splits) for k in kinds if args.splits}
     report["splits"] = {name: [asdict(o) for o in opts] for name, opts in by_kind.items()}
     priced = [k for k in kinds if k.price > 0]
     cheap = cheapest(priced, trace, slo, handoff) if priced else []

@@ -97,7 +97,7 @@ def splits(kind: NodeKind, n: int, trace: Trace, slo: SLOs, handoff: Handoff, mo
     """Goodput of n colocated workers and of P:D splits of n (every one, or `most` spread evenly
     when n - 1 > most), best first."""
     ps = list(range(1, n))
-    if len(ps) > most:
+    if len(ps) > most > 1:
         ps = sorted({round(1 + i * (n - 2) / (most - 1)) for i in range(most)})
     out = [Option(f"{n}C", 0, 0, n, goodput(colocated(kind, n), trace, slo), kind.price * n)]
     for p in ps:
