@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BROWSER := $(VENV)/.chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup serve test lint typecheck unit integration bench protos clean
 
@@ -16,6 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Debian's chromium, which the console's browser tests drive through Playwright (nothing is
+# downloaded at test time).
+$(BROWSER): $(STAMP)
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+	touch $(BROWSER)
 
 serve: setup
 	$(BIN)/tandem serve
@@ -31,10 +39,10 @@ typecheck: setup
 unit: setup
 	$(BIN)/pytest -q tests/unit
 
-integration: setup
+integration: setup $(BROWSER)
 	$(BIN)/pytest -q tests/integration
 
-test: lint typecheck
+test: lint typecheck $(BROWSER)
 	$(BIN)/pytest -q tests/unit tests/integration
 
 bench: setup

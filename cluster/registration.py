@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cluster.state import ClusterState, StateUnavailable
 
 HEARTBEAT_S = 0.5
@@ -42,6 +44,7 @@ class Registered:
     def _info(self) -> dict[str, Any]:
         info: dict[str, Any] = self.stats()  # type: ignore[attr-defined]
         info["node"] = socket.gethostname()
+        info["device"] = f"cpu, {torch.get_num_threads()} threads"  # the engine runs on CPU only (issue 16)
         info["healthy"] = True
         return info
 

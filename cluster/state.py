@@ -309,10 +309,13 @@ class ClusterState:
 
     @_unavailable_as_state_error
     def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
-        """Up to `count` events strictly after stream id `since`, oldest first."""
-        # "(" makes the range exclusive (Redis >= 6.2, which SMISMEMBER needs anyway).
-        entries = self._r.xrange(self.key("events"), min=f"({since}", max="+", count=count)
-        return [(event_id, dict(fields)) for event_id, fields in cast(list[tuple[str, dict[str, str]]], entries)]
+        """Up to `count` events strictly after stream id `since` (""; the newest), oldest first."""
+        Entries = list[tuple[str, dict[str, str]]]
+        if not since:
+            entries = cast(Entries, self._r.xrevrange(self.key("events"), count=count))[::-1]
+        else:  # "(" makes the range exclusive (Redis >= 6.2, which SMISMEMBER needs anyway)
+            entries = cast(Entries, self._r.xrange(self.key("events"), min=f"({since}", max="+", count=count))
+        return [(event_id, dict(fields)) for event_id, fields in entries]
 
     # ---- housekeeping ----------------------------------------------------
 

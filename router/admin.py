@@ -23,7 +23,8 @@ from router.settings import RouterSettings
 T = TypeVar("T")
 
 WORKER_FIELDS = (
-    "worker_id", "role", "state", "node", "draining", "running", "waiting", "free_blocks", "num_blocks", "kv_usage",
+    "worker_id", "role", "state", "node", "device", "draining", "running", "waiting", "free_blocks", "num_blocks",
+    "kv_usage",
 )  # fmt: skip
 
 

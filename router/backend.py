@@ -72,7 +72,7 @@ class Backend(Protocol):
         ...
 
     def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
-        """Up to `count` events after the event id `since`, oldest first: (id, {kind, ts, ...})."""
+        """Up to `count` events after the event id `since` ("": the newest), oldest first: (id, {kind, ts, ...})."""
         ...
 
 

@@ -24,6 +24,7 @@ from router.admission import Admission
 from router.backend import Backend
 from router.metrics import Metrics
 from router.pump import ThreadPump
+from router.recent import RecentRequests
 from router.settings import RouterSettings
 from router.tracing import RequestTracer
 from router.window import LoadWindow
@@ -159,6 +160,7 @@ class Dispatcher:
         self.metrics = metrics
         self.admission = Admission(settings.max_running, settings.max_waiting, settings.max_waiting_total)
         self.window = LoadWindow()  # what the autoscaler reads
+        self.recent = RecentRequests()  # what the console shows
         self.tracer = tracer
         metrics.running.set_function(lambda: self.admission.running)
         metrics.waiting.set_function(lambda: self.admission.waiting)
@@ -255,6 +257,7 @@ class Dispatcher:
             m.prompt_tokens.inc(trace.prompt_tokens)
             m.generation_tokens.inc(trace.completion_tokens)
         self._window(trace)
+        self.recent.record(trace)
         if self.tracer is not None:
             try:
                 self.tracer.record(trace)

@@ -169,6 +169,7 @@ def test_events_order_and_paging(state: ClusterState) -> None:
     assert state.events(since=ids[1]) == events[2:]
     assert state.events(since=ids[0], count=2) == events[1:3]
     assert state.events(since=ids[-1]) == []
+    assert state.events(since="", count=2) == events[2:]  # the newest, oldest first
 
 
 def test_survives_redis_restart() -> None:

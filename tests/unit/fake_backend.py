@@ -119,10 +119,12 @@ class FakeBackend:
         return ready_from(self.workers)
 
     def emit(self, kind: str, **fields: Any) -> None:
-        entry = {"kind": kind, **{k: str(v) for k, v in fields.items()}}
+        entry = {"kind": kind, **{k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}}
         self.event_log.append((f"{len(self.event_log) + 1}-0", entry))
 
     def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
+        if not since:
+            return self.event_log[-count:]
         after = int(since.split("-")[0])
         return [e for e in self.event_log if int(e[0].split("-")[0]) > after][:count]
 
