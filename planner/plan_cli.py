@@ -22,7 +22,7 @@ from engine.model_files import default_model_path
 from planner.kinds import model_config, parse_nodes, resolve
 from planner.profile import EngineProfile
 from planner.roofline import ModelShape
-from planner.search import Handoff, Option, cheapest, splits
+from planner.search import Handoff, Option, cheapest, max_rate, splits
 from planner.slo import parse_slo
 from planner.trace import Trace, day_curve, synthetic
 
@@ -83,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"trace: {len(trace)} requests, {trace.rate:.2f}/s; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms; "
           f">= 90% must meet it")  # fmt: skip
+    limit = max_rate(trace, slo)
     for name, opts in by_kind.items():
-        print(f"\n{name}: goodput of each split (req/s), best first")
+        print(f"\n{name}: goodput of each split (req/s), best first; >=: the trace is too short to find the limit")
         for o in opts:
             per_dollar = f"{o.goodput * 3600 / o.price:12.0f} req/$" if o.price else ""
-            print(f"  {o.label:<14}{o.goodput:12.2f}{per_dollar}")
+            bound = ">=" if o.goodput >= 0.999 * limit else "  "
+            print(f"  {o.label:<14}{bound}{o.goodput:10.2f}{per_dollar}")
         print(f"  best: {opts[0].label}")
     if cheap:
         print(f"\ncheapest at the trace's rate ({trace.rate:.2f} req/s):")

@@ -35,14 +35,33 @@ def meets(spec: ClusterSpec, trace: Trace, slo: SLOs, target: float = TARGET) ->
     return attainment(trace, simulate(spec, trace), slo) >= target
 
 
+MIN_SPAN_TTFTS = 20  # a trace must last this many TTFT SLOs at a rate for that rate to count
+
+
+def max_rate(trace: Trace, slo: SLOs) -> float:
+    """The highest rate `trace` can test: past it, its requests arrive within MIN_SPAN_TTFTS x
+    the (longest) TTFT SLO, a burst the cluster may absorb without ever queueing."""
+    ttft = slo.ttft_s if isinstance(slo, SLO) else max(s.ttft_s for s in slo.values())
+    return (len(trace) - 1) / (MIN_SPAN_TTFTS * ttft)
+
+
 def goodput(spec: ClusterSpec, trace: Trace, slo: SLOs, target: float = TARGET, steps: int = 10) -> float:
-    """Requests a second (0 if even 1/1024 of the trace's rate misses)."""
+    """Requests a second; 0 if even 1/1024 of the trace's rate misses, and `max_rate(trace, slo)`
+    (a lower bound: the trace is too short to find the limit) if that rate still meets the SLO."""
     ok: Callable[[float], bool] = lambda f: meets(spec, trace.at_rate(f), slo, target)  # noqa: E731
+    cap = max_rate(trace, slo) / trace.rate  # as a factor of the trace's rate
     lo, hi = 1.0, 1.0
     if ok(1.0):
-        while ok(hi * 2) and hi < 2**20:
-            hi *= 2
-        lo, hi = hi, hi * 2
+        while True:  # double up to the first miss, or to the cap
+            nxt = min(lo * 2, cap)
+            if nxt <= lo:
+                return lo * trace.rate
+            if not ok(nxt):
+                hi = nxt
+                break
+            if nxt >= cap:
+                return cap * trace.rate
+            lo = nxt
     else:
         while not ok(lo / 2):
             lo /= 2

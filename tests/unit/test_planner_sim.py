@@ -195,3 +195,14 @@ def test_disaggregation_wins_on_interference() -> None:
     trace, slo, node = Trace.of(rows), SLO(3.0, 0.02), kind(costs)
     pd_goodput = goodput(Handoff(0.0, 0.0).spec(node, 1, node, 1), trace, slo)
     assert pd_goodput > 1.3 * goodput(colocated(node, 2), trace, slo)
+
+
+def test_goodput_stops_where_the_trace_is_too_short_to_tell() -> None:
+    # 64 fast workers absorb a 21-request burst at any rate: the answer is the trace's limit
+    # (20 requests over 20 TTFT SLOs), a lower bound, not an unbounded rate
+    from planner.search import max_rate
+
+    trace = Trace.of([(i * 1.0, 10, 0, 2, "") for i in range(21)])
+    slo = SLO(1.0, 1.0)
+    assert max_rate(trace, slo) == 1.0
+    assert goodput(colocated(kind(COSTS), 64), trace, slo) == pytest.approx(1.0)
