@@ -6,16 +6,15 @@ without the token is read-only while the admin API refuses."""
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from bench.harness import uvicorn_thread
 from cluster.cluster import Cluster, ClusterConfig
 from engine.config import EngineConfig
 from router.app import create_app
@@ -35,19 +34,9 @@ def url() -> Iterator[str]:
     )
     try:
         cluster.wait_ready(240)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        app = create_app(ClusterBackend(cluster), RouterSettings(port=port, admin_token=TOKEN))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-        thread.start()
-        until(lambda: server.started, 30, "uvicorn to start")
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            thread.join(10)
+        app = create_app(ClusterBackend(cluster), RouterSettings(admin_token=TOKEN))
+        with uvicorn_thread(app) as base:
+            yield base
     finally:
         cluster.shutdown()
 
