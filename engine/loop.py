@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -75,6 +76,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.on_outputs: list[Callable[[list[RequestOutput]], None]] = []
         self.on_dispatched: list[Callable[[], None]] = []  # after each step's outputs are all put
+        self._later: deque[Callable[[Engine], Any]] = deque()  # `later` calls, run before the next step
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -117,9 +119,27 @@ class EngineLoop:
         return found
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run fn(engine) under the lock (reserve, release, stats)."""
+        """Run fn(engine) under the lock (reserve, release, stats), after any `later` calls."""
         with self.lock:
+            self._run_later()
             return fn(self.engine)
+
+    def later(self, fn: Callable[[Engine], Any]) -> None:
+        """Run fn(engine) under the lock before the next step (or the next `call`), without waiting
+        for the step in progress: a prefill worker's release after a commit, which waited out the
+        next request's whole prefill step (one of them at 1 thread: ~0.4 s) before the first token
+        could go back. An exception is logged."""
+        self._later.append(fn)
+        self._wake.set()
+
+    def _run_later(self) -> None:
+        """Caller holds the lock."""
+        while self._later:
+            fn = self._later.popleft()
+            try:
+                fn(self.engine)
+            except Exception:
+                log.exception("a deferred engine call failed")
 
     @property
     def num_streams(self) -> int:
@@ -132,6 +152,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             with self.lock:
+                self._run_later()
                 busy = self.engine.has_unfinished()
                 outs: list[RequestOutput] = []
                 if busy:
@@ -172,4 +193,5 @@ class EngineLoop:
 
     def check_integrity(self) -> None:
         with self.lock:
+            self._run_later()
             self.engine.check_integrity()

@@ -128,8 +128,8 @@ class PrefillWorker(WorkerBase):
         except BaseException:
             push.abort("commit failed")
             raise
-        finally:
-            self.loop.call(lambda e: e.release(request_id))
+        finally:  # its blocks stay held until the loop's next step: no wait for the step in progress
+            self.loop.later(lambda e: e.release(request_id))
         out = TokenOutput.of(first)
         if first.finish_reason == "prefill_done":
             out = TokenOutput(out.token_ids, out.text, False, None, out.num_prompt_tokens, out.num_output_tokens,
