@@ -50,10 +50,6 @@ class ClusterSpec:
     colocated: tuple[WorkerSpec, ...] = ()
     transfer_fixed_s: float = 0.0  # a P/D request's hand-off: commit, calls
     transfer_s_per_token: float = 0.0  # KV bytes a prompt token / transfer bandwidth
-    # latency the serving path adds outside the workers' steps (router, streaming), calibrated on
-    # unloaded requests: added to each request's TTFT, and to its TPOT
-    ttft_offset_s: float = 0.0
-    tpot_offset_s: float = 0.0
 
     def __post_init__(self) -> None:
         pd = bool(self.prefill) and bool(self.decode)
@@ -121,10 +117,8 @@ class Simulator:
                 self._step_end(payload)  # type: ignore[arg-type]
             else:
                 self._join(payload)  # type: ignore[arg-type]
-        dt, dp = self.spec.ttft_offset_s, self.spec.tpot_offset_s
-        ttft = tuple(max(0.0, f - a + dt) for f, a in zip(self.first, arrivals, strict=True))
-        e2e = tuple(max(t, f - a + dt + dp * (o - 1)) for t, f, a, o in zip(ttft, self.last, arrivals, tr.output,
-                                                                             strict=True))  # fmt: skip
+        ttft = tuple(f - a for f, a in zip(self.first, arrivals, strict=True))
+        e2e = tuple(f - a for f, a in zip(self.last, arrivals, strict=True))
         tpot = tuple((e - t) / (o - 1) if o > 1 else 0.0 for t, e, o in zip(ttft, e2e, tr.output, strict=True))
         return Outcome(ttft, e2e, tpot, self.now)
 

@@ -45,6 +45,11 @@ class StepCosts:
             return self.prefill(tokens, attention)
         return max(self.p0, self.d0) + self.d1 * batch + self.d2 * context + self.p1 * tokens + self.p2 * attention
 
+    def scaled(self, prefill: float, decode: float) -> StepCosts:
+        """Every prefill term times `prefill`, every decode term times `decode`."""
+        p, d = prefill, decode
+        return StepCosts(self.p0 * p, self.p1 * p, self.p2 * p, self.d0 * d, self.d1 * d, self.d2 * d)
+
     @classmethod
     def fit(cls, profile: EngineProfile) -> StepCosts:
         pre = [(1.0, p.uncached, attention_work(p.uncached, p.cached), p.seconds) for p in profile.prefill]
