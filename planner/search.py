@@ -136,12 +136,17 @@ def _fewest(fits: Callable[[int], bool], limit: int) -> int | None:
     return hi
 
 
+def fewest_colocated(kind: NodeKind, trace: Trace, slo: SLOs, limit: int) -> int | None:
+    """The fewest colocated workers of `kind` meeting the SLOs at the trace's rate (None: not even `limit`)."""
+    return _fewest(lambda n: meets(colocated(kind, n), trace, slo), limit)
+
+
 def cheapest(kinds: list[NodeKind], trace: Trace, slo: SLOs, handoff: Handoff, limit: int = 1024) -> list[Option]:
     """Per kind (colocated) and per pair of kinds (prefill, decode): the fewest workers meeting the
     SLOs at the trace's rate, and their price an hour; cheapest first."""
     out = []
     for k in kinds:
-        n = _fewest(lambda n, k=k: meets(colocated(k, n), trace, slo), k.available or limit)  # type: ignore[misc]
+        n = fewest_colocated(k, trace, slo, k.available or limit)
         if n is not None:
             out.append(Option(f"{k.name} x{n} colocated", 0, 0, n, trace.rate, k.price * n))
     for p in kinds:

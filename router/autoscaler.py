@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from planner.autoscale import ROLES, Decision, Memory, Window, decide
-from planner.search import Handoff, NodeKind, colocated, meets, size_pair
+from planner.search import Handoff, NodeKind, fewest_colocated, size_pair
 from planner.slo import SLO
 from planner.trace import Trace
 from router.autoscale_flags import AutoscaleConfig
@@ -49,10 +49,8 @@ def profile_planner(kind: NodeKind, handoff: Handoff, limit: int = 64) -> Planne
 
     def plan(trace: Trace, slo: SLO, current: Mapping[str, int]) -> dict[str, int] | None:
         if current.get("colocated", 0) and not current.get("prefill", 0):
-            for n in range(1, limit + 1):
-                if meets(colocated(kind, n), trace, slo):
-                    return {"prefill": 0, "decode": 0, "colocated": n}
-            return None
+            n = fewest_colocated(kind, trace, slo, limit)
+            return None if n is None else {"prefill": 0, "decode": 0, "colocated": n}
         sized = size_pair(kind, kind, trace, slo, handoff, limit)
         return None if sized is None else {"prefill": sized[0], "decode": sized[1], "colocated": 0}
 
