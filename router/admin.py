@@ -90,10 +90,10 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
 
     @api.get("/events")
     async def events(since: str = "0-0", count: int = 100) -> dict[str, Any]:
-        """The cluster's events after id `since`, oldest first: scaled, autoscale (with its
-        reasons), worker died or replaced, ... Page on with the last id as `since`."""
-        if not _EVENT_ID.match(since):
-            raise APIError(400, "since must be an event id (digits-digits)", param="since")
+        """The cluster's events after id `since` (empty: the newest `count`), oldest first: scaled,
+        autoscale (with its reasons), worker died or replaced, ... Page on with the last id as `since`."""
+        if since and not _EVENT_ID.match(since):
+            raise APIError(400, "since must be an event id (digits-digits), or empty for the newest", param="since")
         if not 1 <= count <= 1000:
             raise APIError(400, "count must be in 1..1000", param="count")
         found = await cluster(backend.events, since, count)

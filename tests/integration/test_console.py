@@ -8,37 +8,57 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from bench.harness import uvicorn_thread
 from cluster.cluster import Cluster, ClusterConfig
 from engine.config import EngineConfig
+from planner.autoscale import Bounds
+from planner.slo import SLO
 from router.app import create_app
+from router.autoscale_flags import AutoscaleConfig
+from router.autoscaler import Autoscaler
 from router.backend import ClusterBackend
 from router.settings import RouterSettings
 from tests.integration.waits import until
 
 TOKEN = "console-itest-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SHOT = Path(__file__).resolve().parents[2] / "out" / "console.png"
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    app: FastAPI
+    backend: ClusterBackend
+
+
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def served() -> Iterator[Served]:
     cluster = Cluster.connect(
         ClusterConfig(namespace="console-itest", engine=EngineConfig(dtype="fp32", num_blocks=128, num_threads=1))
     )
     try:
         cluster.wait_ready(240)
-        app = create_app(ClusterBackend(cluster), RouterSettings(admin_token=TOKEN))
+        backend = ClusterBackend(cluster)
+        app = create_app(backend, RouterSettings(admin_token=TOKEN))
         with uvicorn_thread(app) as base:
-            yield base
+            yield Served(base, app, backend)
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(served: Served) -> str:
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +151,25 @@ def test_charts_and_waterfall_follow_the_load(page: Page, url: str) -> None:
     expect(page.locator("#load-now")).to_contain_text("tokens/s")
     SHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SHOT), full_page=True)
+
+
+def test_the_autoscaler_scales_the_live_cluster_and_the_page_shows_why(page: Page, served: Served) -> None:
+    """The autoscaler on the real cluster: an SLO no request meets (1 ms a token) adds a decode
+    worker; the decision and its reasons reach Redis's event stream, /admin/events and the page."""
+    url, window = served.url, served.app.state.dispatcher.window
+    desired = served.backend.status()["desired"]
+    bounds = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 1, "decode": desired["decode"] + 1})
+    scaler = Autoscaler(served.backend, window, AutoscaleConfig(SLO(ttft_s=30.0, tpot_s=0.001), bounds, 1.0))
+    window.take()  # start the window now
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    for i in range(3):
+        body = {"model": model, "prompt": f"Say {i}:", "max_tokens": 6, "temperature": 0}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+    decision = scaler.tick()
+    assert decision.changed and decision.sizes["decode"] == desired["decode"] + 1
+    assert served.backend.status()["desired"]["decode"] == desired["decode"] + 1
+    events = httpx.get(f"{url}/admin/events", params={"since": "", "count": 5}, headers=ADMIN).json()["events"]
+    (event,) = [e for e in events if e["kind"] == "autoscale"]
+    assert "decode: +1, its SLO is missed" in event["reasons"] and "3 requests" in event["reasons"]
+    expect(page.locator('#events li[data-kind="autoscale"]')).to_have_count(1, timeout=30_000)
+    until(lambda: rows(page, "decode") == desired["decode"] + 1, 180, "the autoscaler's decode worker on the page")
