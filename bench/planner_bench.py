@@ -36,9 +36,12 @@ from bench.loadgen import arrivals
 from bench.stats import max_rate_meeting
 from bench.sweep import PROBE_SALT
 from bench.workloads import MIXES, Mix, WorkItem, make_items
+from engine.config import ModelConfig
 from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer
+from planner.kinds import CPU_HANDOFF_FIXED_S, model_config
 from planner.profile import EngineProfile
+from planner.roofline import ModelShape
 from planner.search import Handoff, NodeKind, attainment, colocated
 from planner.simulator import ClusterSpec, WorkerSpec, simulate
 from planner.slo import SLO
@@ -46,7 +49,6 @@ from planner.step_costs import StepCosts
 from planner.trace import Trace, synthetic
 
 VALIDATED = ("prefill_heavy", "decode_heavy")
-PD_FIXED_S = 0.007  # P/D's fixed cost over colocated at idle (`tandem bench router`, README)
 
 
 @dataclass(frozen=True)
@@ -64,22 +66,14 @@ class Row:
         return abs(self.simulated - self.measured) / self.measured if self.measured else float("inf")
 
 
-def _spec(system: dict[str, Any], profile: EngineProfile, kv_tokens: int) -> ClusterSpec:
+def _spec(system: dict[str, Any], profile: EngineProfile, kv_tokens: int, config: ModelConfig) -> ClusterSpec:
     worker = WorkerSpec(StepCosts.fit(profile), kv_tokens)
     if system["colocated"]:
         return colocated(NodeKind(system["name"], worker), system["colocated"])
     gbps = profile.transfer_gbps.get("grpc", 1.0)
-    kv_per_token = _kv_bytes_per_token(profile)
+    kv_per_token = ModelShape.of(config, profile.dtype, profile.kv_dtype).kv_bytes_per_token
     return ClusterSpec((worker,) * system["prefill"], (worker,) * system["decode"], (),
-                       PD_FIXED_S, kv_per_token / (gbps * 1e9))  # fmt: skip
-
-
-def _kv_bytes_per_token(profile: EngineProfile) -> float:
-    from engine.weights import load_checkpoint
-    from planner.roofline import ModelShape
-
-    config = load_checkpoint(default_model_path())[0]
-    return ModelShape.of(config, profile.dtype, profile.kv_dtype).kv_bytes_per_token
+                       CPU_HANDOFF_FIXED_S, kv_per_token / (gbps * 1e9))  # fmt: skip
 
 
 def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tokenizer) -> list[Row]:
@@ -87,6 +81,7 @@ def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tok
     plan = QUICK if compare["meta"]["quick"] else FULL
     seed = compare["meta"]["seed"]
     kv_tokens = plan.num_blocks * 16
+    config = model_config(str(default_model_path()))  # once: it reads the checkpoint
     rows = []
     for name in VALIDATED:
         if name not in compare:
@@ -95,7 +90,7 @@ def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tok
         slo = {c: SLO(s["ttft_s"], s["tpot_s"]) for c, s in compare[name]["slo"]["classes"].items()}
         for system in compare["meta"]["systems"]:
             measured = compare[name]["systems"][system["name"]]
-            spec = _spec(system, profiles[system["threads"]], kv_tokens)
+            spec = _spec(system, profiles[system["threads"]], kv_tokens, config)
             scales = _calibration(spec, plan.mixes[name], measured["unloaded"], mix_seed, plan.probe_requests, tok)
             spec = _scaled(spec, *scales)
             points, pairs = [], []

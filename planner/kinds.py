@@ -24,6 +24,7 @@ CPU_KV_TOKENS = 2048 * 16  # the engine's default cache: num_blocks x block_size
 GPU_KV_SHARE = 0.9  # of an accelerator's memory left after the weights, for KV
 GPU_MAX_BATCH = 256
 GPU_TOKEN_BUDGET = 8192
+CPU_HANDOFF_FIXED_S = 0.007  # P/D's fixed cost over colocated at idle here (`tandem bench router`, README)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from planner.autoscale import ROLES, Decision, Memory, Window, decide
 from planner.search import Handoff, NodeKind, fewest_colocated, size_pair
@@ -117,22 +116,16 @@ def start(args: argparse.Namespace, config: AutoscaleConfig, backend: Backend, w
     """Build the autoscaler for `tandem serve` and run it on a daemon thread until `stop`."""
     planner = None
     if args.autoscale_profile:
-        from planner.kinds import from_profile
+        from engine.model_files import default_model_path
+        from planner.kinds import CPU_HANDOFF_FIXED_S, from_profile, model_config
         from planner.profile import EngineProfile
         from planner.roofline import ModelShape
 
         profile = EngineProfile.load(args.autoscale_profile)
         kind = from_profile(profile, 0.0, max(config.bounds.max.values()))
-        shape = ModelShape.of(backend_config(args), profile.dtype, profile.kv_dtype)
-        planner = profile_planner(kind, Handoff(0.007, shape.kv_bytes_per_token))
+        served = model_config(args.model or str(default_model_path()))
+        shape = ModelShape.of(served, profile.dtype, profile.kv_dtype)
+        planner = profile_planner(kind, Handoff(CPU_HANDOFF_FIXED_S, shape.kv_bytes_per_token))
     scaler = Autoscaler(backend, window, config, planner)
     threading.Thread(target=scaler.run, args=(stop,), name="autoscaler", daemon=True).start()
     return scaler
-
-
-def backend_config(args: argparse.Namespace) -> Any:
-    """The served model's shape (for the KV bytes a hand-off moves)."""
-    from engine.model_files import default_model_path
-    from engine.weights import load_checkpoint
-
-    return load_checkpoint(args.model or default_model_path())[0]
