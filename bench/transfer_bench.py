@@ -6,7 +6,10 @@ and what layer-wise P/D transfer adds to the time to first token.
                                  ──commit─────▶                    (admit + first decode step)
 
 Transfers time first send to commit returning; the per-layer gather out of the paged cache
-is inside that time (`KVPush.send_blocks`: on shm it gathers straight into shared memory).
+is inside that time (`KVPush.send_blocks`). On shm the decode side's cache lives in /dev/shm,
+as a decode worker's does, and the sender copies each layer straight into the reserved blocks
+(kv_transfer/in_place.py): the payload's one copy. `shm_copy` is the same transport without
+that, through the sender's segments: copied once a side.
 Each transport's GB/s is also a ratio to the memcpy measured in the same run (`--json`:
 `<transport>_over_memcpy` for 4K, `<transport>_over_memcpy_<size>`). Every figure is the
 best of a few runs after a warm-up: the machine may be shared, and others' load only ever
@@ -38,7 +41,7 @@ from kv_transfer.sender import KVTransferClient
 
 MB = 1 << 20
 SIZES = {"1k": 1024, "4k": 4096}
-TRANSPORTS = ("grpc", "shm", "collective")
+TRANSPORTS = ("grpc", "shm", "shm_copy", "collective")
 
 
 def best_of(fn: Callable[[], float], runs: int) -> float:
@@ -119,7 +122,10 @@ def transfer_s(client: KVTransferClient, source: Engine, blocks: list[int], rid:
     return dt
 
 
-def transport_gbps(client: KVTransferClient, source: Engine, blocks: list[int], runs: int) -> dict[str, float | None]:
+def transport_gbps(
+    client: KVTransferClient, source: Engine, blocks: list[int], runs: int, name: str = ""
+) -> dict[str, float | None]:
+    """`name`_gbps_<size> (default name: the client's transport) of pushes out of `source`."""
     ids = iter(range(1 << 30))
     out: dict[str, float | None] = {}
     for size, n_tokens in SIZES.items():
@@ -128,7 +134,9 @@ def transport_gbps(client: KVTransferClient, source: Engine, blocks: list[int], 
         def once(b: list[int] = b) -> float:
             return transfer_s(client, source, b, f"{client.transport}-{next(ids)}")
 
-        out[f"{client.transport}_gbps_{size}"] = len(b) * source.cache.bytes_per_block / best_of(once, runs) / 1e9
+        out[f"{name or client.transport}_gbps_{size}"] = (
+            len(b) * source.cache.bytes_per_block / best_of(once, runs) / 1e9
+        )
     return out
 
 
@@ -184,8 +192,11 @@ def measure_transfers(
             if t == "collective":
                 got, skipped = collective_gbps(decode, source, blocks, runs)
             else:
-                client = KVTransferClient(decode.endpoint, t, timeout_s=30, secret=decode.secret)
-                got = transport_gbps(client, source, blocks, runs)
+                kind = "shm" if t == "shm_copy" else t
+                client = KVTransferClient(
+                    decode.endpoint, kind, timeout_s=30, secret=decode.secret, in_place=t != "shm_copy"
+                )
+                got = transport_gbps(client, source, blocks, runs, t)
                 client.close()
             res |= got
     finally:
@@ -197,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "int8"], help="int8: W8A8, fp32 KV")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"], help="KV cache")
-    ap.add_argument("--transports", default="grpc,shm,collective", help="comma-separated: grpc, shm, collective")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS), help=f"comma-separated: {', '.join(TRANSPORTS)}")
     ap.add_argument("--receiver", default="process", choices=["process", "thread"], help="decode side placement")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5, help="timed runs per transfer figure (TTFT: 3)")

@@ -36,7 +36,7 @@ def first_decode_token(receiver: KVReceiver, rid: str, prompt: list[int], first:
 
 
 def _serve(engine: Engine, secret: str) -> tuple[KVReceiver, KVTransferServer]:
-    receiver = KVReceiver(engine, threading.RLock(), lease_s=60)
+    receiver = KVReceiver(engine, threading.RLock(), lease_s=60, in_place=True)  # as decode workers do
     return receiver, KVTransferServer(receiver, secret=secret).start()
 
 

@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
+from kv_transfer import in_place
 from kv_transfer.security import KVTLSConfig
 
 MANAGER = "tandem-pool-manager"
@@ -279,6 +280,7 @@ class Cluster:
             steps.append(self._redis.stop)
         if self.owns_ray:
             steps.append(ray.shutdown)
+        steps.append(in_place.sweep)  # the shared KV caches of this host's killed decode workers
         for step in steps:
             try:
                 step()

@@ -36,7 +36,8 @@ class DecodeWorker(WorkerBase):
     ) -> None:
         """`tls`: serve the KV endpoint over TLS (mutual with a CA file); None: plaintext."""
         super().__init__(worker_id, model_path, config)
-        self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s)
+        # its cache in /dev/shm: a same-host prefill worker (--transport shm) writes it in place
+        self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s, in_place=True)
         self.server = KVTransferServer(self.receiver, host=host, tls=tls).start()
         self.endpoint = self.server.endpoint
         clients = KVClients(lambda endpoint: KVTransferClient(endpoint, "grpc", tls=tls))
@@ -107,3 +108,5 @@ class DecodeWorker(WorkerBase):
         self.server.stop(0)
         super().shutdown()
         self.write_back_source.clients.close()
+        if self.receiver.shared is not None:
+            self.receiver.shared.close()  # a killed worker's is swept by the next to start

@@ -46,15 +46,26 @@ class PagedKVCache:
         self.head_dim = model.head_dim
         self.width = self.codec.width(model.head_dim)
         self.dtype = self.codec.storage  # of the tensor: what KV transfer moves
-        self.kv = torch.zeros(
-            model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width, dtype=self.dtype
+        self._place(
+            torch.zeros(model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width, dtype=self.dtype)
         )
+
+    def _place(self, kv: torch.Tensor) -> None:
+        self.kv = kv
         # flat views per layer: [num_blocks * block_size, kv_heads, width]
-        self.k_flat = [self.kv[i, 0].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
-        self.v_flat = [self.kv[i, 1].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
+        self.k_flat = [kv[i, 0].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
+        self.v_flat = [kv[i, 1].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
         # a row per (layer, k|v, block), as bytes:
         # [num_layers * 2 * num_blocks, block_size * kv_heads * width * itemsize]
-        self._rows = self.kv.view(torch.uint8).numpy().reshape(model.num_layers * 2 * num_blocks, -1)
+        self._rows = kv.view(torch.uint8).numpy().reshape(self.num_layers * 2 * self.num_blocks, -1)
+
+    def rehome(self, kv: torch.Tensor) -> None:
+        """Move the cache, contents and all, into `kv`: a contiguous tensor of the same shape and
+        dtype (one over shared memory: kv_transfer/in_place.py). Call it before the engine runs."""
+        if kv.shape != self.kv.shape or kv.dtype != self.dtype or not kv.is_contiguous():
+            raise ValueError(f"cannot rehome a {tuple(self.kv.shape)}/{self.dtype} cache into {tuple(kv.shape)}")
+        kv.copy_(self.kv)
+        self._place(kv)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:

@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from kv_transfer.chunk_writer import write_chunk
 from kv_transfer.errors import KVTransferError, TransferAborted, TransferTimeout
-from kv_transfer.payload import PayloadWriter, ShmWriter
+from kv_transfer.payload import PayloadWriter
 from kv_transfer.stats import TransferStats
 from kv_transfer.status import as_transfer_error
-from kv_transfer.wire import DTYPE_NAMES, checksum, chunk_spans, frame, gather, split, tensor_bytes
+from kv_transfer.wire import DTYPE_NAMES, chunk_spans, frame, split
 from protos.gen import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -62,7 +63,6 @@ class KVPush:
         self.request_id = request_id
         self.reservation = reservation
         self.writer = writer
-        self._shm = writer if isinstance(writer, ShmWriter) else None  # the one writer we fill in place
         self.stall_s = stall_s
         self.max_queued_bytes = max_queued_bytes
         self.bytes = 0
@@ -117,9 +117,9 @@ class KVPush:
             future = self._future
         if future is not None:
             future.cancel()
-        self.client.release_async(self.request_id, self.reservation.transfer_token, str(err))
-        with self._writer_lock:
+        with self._writer_lock:  # first: an in-place sender's Release says it writes no more
             self.writer.close()
+        self.client.release_async(self.request_id, self.reservation.transfer_token, str(err))
         return err
 
     def abort(self, reason: str) -> None:
@@ -149,9 +149,9 @@ class KVPush:
     def send_blocks(
         self, layer_start: int, layer_end: int, logical_blocks: Sequence[int], kv: torch.Tensor, src: torch.Tensor
     ) -> None:
-        """`send` of blocks still in the paged cache: gathers them itself, on shm straight into
-        shared memory (the one copy on this side, where `send` copies the caller's gather again).
-        Never blocks, never raises, as `send`.
+        """`send` of blocks still in the paged cache, copied once: on shm into the receiver's own
+        blocks (in place) or straight into shared memory, where `send` copies the caller's gather
+        again. Never blocks, never raises, as `send`.
 
         kv: [layer_end - layer_start, 2, num_blocks, block_size, kv_heads, head_dim], the cache's
         layers; src: [len(logical_blocks)] int64, the physical block of each logical block."""
@@ -181,9 +181,8 @@ class KVPush:
             self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
 
     def _frame(self, layer_start: int, blocks: list[int], data: torch.Tensor, src: torch.Tensor | None = None) -> bytes:
-        """Write one chunk's payload and frame its header: `data` itself, or (with `src`) its blocks
-        `src` gathered, [layers, 2, len(src), block_size, kv_heads, head_dim]. On shm the payload
-        is written once, straight into shared memory, and checksummed there."""
+        """One chunk's message: `data` itself, or (with `src`) its blocks `src`, [layers, 2,
+        len(src), block_size, kv_heads, head_dim], written the transport's way (chunk_writer.py)."""
         shape = tuple(data.shape) if src is None else (data.shape[0], 2, len(src), *data.shape[3:])
         header = pb.KVChunkHeader(
             request_id=self.request_id,
@@ -195,23 +194,13 @@ class KVPush:
             shape=list(shape),
             payload_bytes=torch.Size(shape).numel() * data.element_size(),
         )
-        with self._writer_lock:  # the checksum too: the segment is not given back under it
+        with self._writer_lock:  # the writer is not closed under it (a segment given back, a claim lifted)
             if self._error is not None:
                 raise self._error
-            if self._shm is None:
-                payload = data if src is None else gather(data, src)
-                inband = self.writer.put(header, payload)
-            else:
-                payload = self._shm.claim(header, shape, data.dtype)  # [shape] over shared memory
-                if src is None:
-                    payload.copy_(data)
-                else:
-                    gather(data, src, payload)
-                inband = memoryview(b"")
-            header.checksum = checksum(tensor_bytes(payload))
+            message = write_chunk(self.writer, header, data, src)
         self.bytes += header.payload_bytes
         self.chunks += 1
-        return frame(header, inband)
+        return message
 
     def _enqueue(self, item: bytes | None) -> None:
         """Queue a message, opening the stream with the first. Raises the transfer's error, or

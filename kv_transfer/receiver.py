@@ -6,6 +6,10 @@ token holder fails the transfer (its blocks are freed at once); a chunk with a w
 stale token is refused and the reservation is left alone. Each accepted chunk renews the
 lease by `lease_s`.
 
+With `in_place`, the engine's cache moves to /dev/shm and a same-host sender that Claims a
+reservation writes its blocks itself; its chunks are headers, and its blocks are fenced
+from reuse until it says it stopped writing (kv_transfer/in_place.py).
+
 A chunk carries at most `max_chunk_bytes` of payload: by default one layer of the largest
 reservation this engine can grant (`max_blocks` blocks), so the server can refuse a larger
 message before buffering it and a sender never needs more than one message per layer.
@@ -15,23 +19,21 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-import torch
-
 from engine.engine import Engine
-from engine.kv_codec import valid_scales
 from engine.sampling_params import SamplingParams
+from kv_transfer.chunk_checks import check_place, check_scales, read_payload
 from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
+from kv_transfer.in_place import Fence, SharedCache, is_holder
 from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
 from kv_transfer.reservations import Reservation, ReservationTable, State
 from kv_transfer.security import same_secret
 from kv_transfer.stats import TransferStats
-from kv_transfer.wire import CODED, DTYPES, checksum, layout_of, row_width
+from kv_transfer.wire import layout_of
 from protos.gen import kv_transfer_pb2 as pb
 
 
@@ -49,6 +51,7 @@ class KVReceiver:
         endpoint: str = "",
         lease_s: float = 10.0,
         max_chunk_bytes: int | None = None,
+        in_place: bool = False,
     ) -> None:
         self.engine = engine
         self.engine_lock = engine_lock
@@ -67,6 +70,8 @@ class KVReceiver:
         self._failed: OrderedDict[str, str] = OrderedDict()
         self._done: OrderedDict[str, TransferStats] = OrderedDict()
         self._dropped: list[str] = []
+        self.fence = Fence()
+        self.shared = SharedCache.share(engine.cache) if in_place else None
 
     # ---- control ----------------------------------------------------------------------------
 
@@ -97,20 +102,41 @@ class KVReceiver:
             layout=self.layout,
             lease_ms=int(lease * 1000),
             max_chunk_bytes=self.max_chunk_bytes,
+            cache_shm_name=self.shared.name if self.shared else "",
+            cache_num_blocks=self.engine.cache.num_blocks,
         )
 
-    def release(self, request_id: str, token: str | None, reason: str) -> bool:
+    def release(self, request_id: str, token: str | None, reason: str, writer_stopped: bool = False) -> bool:
         """Drop a reservation and free its blocks. With a token, it must match (None: the
-        in-process owner releases without one; over gRPC a token is always required)."""
+        in-process owner releases without one; over gRPC a token is always required).
+        `writer_stopped`: the sender's own Release, so it writes in place no more: its blocks
+        are freed even if fenced; otherwise a claimed reservation's blocks stay fenced."""
         try:
             with self._cond:
                 r = self.table.get(request_id)
-                if r is None or (token is not None and not same_secret(token, r.token)):
+                if r is None:
+                    if writer_stopped and token is not None and self.fence.lift(request_id, token):
+                        self._dropped.append(request_id)
+                        return True
                     return False
+                if token is not None and not same_secret(token, r.token):
+                    return False
+                if writer_stopped:
+                    r.holder = ""
                 self._drop(r, reason)
                 return True
         finally:
             self._free_dropped()
+
+    def claim(self, request_id: str, token: str, holder: str) -> None:
+        """Let the token's holder write the reservation's blocks in place from now on (`holder`:
+        the lock its process holds while it lives). Raises ChunkRejected."""
+        with self._cond:
+            r = self._authorised(pb.KVChunkHeader(request_id=request_id, transfer_token=token))
+            if self.shared is None or not is_holder(holder) or r.holder not in ("", holder):
+                why = "not shared" if self.shared is None else f"claimed by {r.holder or holder!r}"
+                raise ChunkRejected("bad_transport", f"no in-place writes into {request_id!r}: cache {why}")
+            r.holder = holder
 
     def expire(self) -> list[str]:
         """Free every reservation whose lease has run out; returns their ids."""
@@ -119,14 +145,19 @@ class KVReceiver:
                 gone = self.table.expired()
                 for r in gone:
                     self._drop(r, "lease expired")
+                self._dropped.extend(self.fence.lift_dead())
                 return [r.request_id for r in gone]
         finally:
             self._free_dropped()
 
     def _drop(self, r: Reservation, reason: str) -> None:
-        """Caller holds the receiver lock; the blocks go back in `_free_dropped`."""
+        """Caller holds the receiver lock; the blocks go back in `_free_dropped`, or to the fence
+        while a sender may still write them in place."""
         self.table.pop(r.request_id)
-        self._dropped.append(r.request_id)
+        if r.holder:
+            self.fence.hold(r.request_id, r.token, r.holder)
+        else:
+            self._dropped.append(r.request_id)
         self._failed[r.request_id] = reason
         while len(self._failed) > 1024:
             self._failed.popitem(last=False)
@@ -154,38 +185,27 @@ class KVReceiver:
     def _accept(self, header: pb.KVChunkHeader, inband: memoryview) -> int:
         with self._cond:
             r = self._authorised(header)
+            layers = slice(header.layer_start, header.layer_end)
             try:
-                blocks, shape = self._check_chunk(r, header)
-                reader = self.readers.get(header.transport)
-                if reader is None:
-                    raise ChunkRejected("bad_transport", f"unknown transport {header.transport!r}")
-                try:
-                    payload = reader.get(header, inband)
-                except (OSError, ValueError) as e:
-                    raise ChunkRejected("bad_payload", str(e)) from e
-                if len(payload) != header.payload_bytes:
-                    raise ChunkRejected(
-                        "bad_size", f"payload is {len(payload)} bytes, header says {header.payload_bytes}"
-                    )
-                if checksum(payload) != header.checksum:
-                    raise ChunkRejected("bad_checksum", "payload checksum mismatch")
-                with warnings.catch_warnings():  # payloads are read-only views (gRPC bytes, mmap); only read
-                    warnings.simplefilter("ignore", UserWarning)
-                    data = torch.frombuffer(payload, dtype=self.engine.cache.dtype).view(shape)
-                if header.dtype in CODED and not valid_scales(data):
-                    raise ChunkRejected("bad_scales", "a KV scale is negative or not finite")
+                blocks, shape = check_place(self.layout, self.max_chunk_bytes, r.block_ids, header)
+                data = None if header.transport == "in_place" else read_payload(self.readers, header, inband, shape)
+                if data is None:  # the sender wrote the blocks itself
+                    if not r.holder:
+                        raise ChunkRejected("bad_transport", "an in-place chunk without a claim")
+                    check_scales(header, self.engine.cache.read_blocks(blocks, layers))
             except ChunkRejected as e:
                 self._drop(r, f"rejected chunk: {e}")
                 raise
-            self.engine.cache.write_blocks(blocks, data, slice(header.layer_start, header.layer_end))
+            if data is not None:
+                self.engine.cache.write_blocks(blocks, data, layers)
             if r.state is State.RESERVED:
                 r.state, r.started = State.RECEIVING, time.monotonic()
             self.table.renew(r, self.lease_s)
             for layer in range(header.layer_start, header.layer_end):
                 r.received.setdefault(layer, set()).update(blocks)
-            r.bytes += len(payload)
+            r.bytes += header.payload_bytes
             r.chunks += 1
-            return len(payload)
+            return int(header.payload_bytes)
 
     def commit(self, header: pb.KVChunkHeader, network_wait_s: float = 0.0) -> TransferStats:
         """Verify that every layer of every needed block arrived; mark the transfer complete."""
@@ -198,17 +218,12 @@ class KVReceiver:
         with self._cond:
             r = self._authorised(header)
             n = header.num_tokens
-            needed = set(r.blocks_needed(self.layout.block_size, n)) if 0 < n <= r.num_tokens else None
-            missing = [
-                layer
-                for layer in range(self.layout.num_layers)
-                if needed is None or not needed <= r.received.get(layer, set())
-            ]
-            if missing:
+            if missing := r.missing_layers(self.layout.num_layers, self.layout.block_size, n):
                 reason = f"commit of {n} tokens with layers {missing[:4]}... incomplete"
                 self._drop(r, reason)
                 raise ChunkRejected("incomplete", reason)
             r.state, r.finished = State.COMPLETE, time.monotonic()
+            r.holder = ""  # every in-place write came before the commit
             r.network_wait_s = network_wait_s
             stats = TransferStats(
                 r.request_id, r.bytes, r.chunks, r.finished - (r.started or r.finished), network_wait_s
@@ -231,25 +246,6 @@ class KVReceiver:
         if r.state is State.COMPLETE:
             raise ChunkRejected("complete", "the transfer is already committed")
         return r
-
-    def _check_chunk(self, r: Reservation, h: pb.KVChunkHeader) -> tuple[list[int], tuple[int, ...]]:
-        lo, hi = h.layer_start, h.layer_end
-        if not 0 <= lo < hi <= self.layout.num_layers:
-            raise ChunkRejected("bad_layers", f"layers [{lo}, {hi}) outside [0, {self.layout.num_layers})")
-        blocks = list(h.block_ids)
-        if not blocks or not set(blocks) <= set(r.block_ids) or len(set(blocks)) != len(blocks):
-            raise ChunkRejected("bad_blocks", f"blocks {blocks[:8]} are not within the reservation")
-        if h.dtype != self.layout.dtype:
-            raise ChunkRejected("bad_dtype", f"dtype {h.dtype!r}, cache holds {self.layout.dtype!r}")
-        L = self.layout
-        shape = (hi - lo, 2, len(blocks), L.block_size, L.num_kv_heads, row_width(L))
-        if tuple(h.shape) != shape:
-            raise ChunkRejected("bad_shape", f"shape {tuple(h.shape)}, expected {shape}")
-        if h.payload_bytes != DTYPES[h.dtype].itemsize * torch.Size(shape).numel():
-            raise ChunkRejected("bad_size", f"payload_bytes {h.payload_bytes} does not match shape {shape}")
-        if h.payload_bytes > self.max_chunk_bytes:
-            raise ChunkRejected("too_large", f"{h.payload_bytes} bytes in one chunk, at most {self.max_chunk_bytes}")
-        return blocks, shape
 
     # ---- completion and admission ----------------------------------------------------------
 
@@ -297,4 +293,7 @@ class KVReceiver:
             self.table.check_integrity()
             for rid in self.table.ids():
                 assert self.engine.kv.has_request(rid), f"reservation {rid} holds no engine blocks"
+            for rid in self.fence.ids():
+                assert rid not in self.table, f"{rid} is both fenced and reserved"
+                assert self.engine.kv.has_request(rid), f"fenced {rid} holds no engine blocks"
             self.engine.check_integrity()

@@ -38,9 +38,17 @@ class Reservation:
     started: float = 0.0
     finished: float = 0.0
     network_wait_s: float = 0.0
+    holder: str = ""  # the lock of a sender that may write the blocks in place (kv_transfer/in_place.py)
 
     def blocks_needed(self, block_size: int, num_tokens: int) -> list[int]:
         return self.block_ids[: -(-num_tokens // block_size)]
+
+    def missing_layers(self, num_layers: int, block_size: int, num_tokens: int) -> list[int]:
+        """The layers of which some block `num_tokens` tokens need has not arrived (every layer
+        if `num_tokens` is out of range)."""
+        ok = 0 < num_tokens <= self.num_tokens
+        needed = set(self.blocks_needed(block_size, num_tokens))
+        return [i for i in range(num_layers) if not ok or not needed <= self.received.get(i, set())]
 
 
 class ReservationTable:

@@ -1,7 +1,9 @@
 """The prefill side of a transfer: a client of one decode worker's KV server.
 
 Reserve (tests and benchmarks; needs the cluster secret), push (kv_transfer/push.py: queued,
-streamed in the background, never waits), release. Releases on failure paths are futures:
+streamed in the background, never waits), release. On shm, a push into a receiver whose cache
+is shared Claims its reservation first (on the opener thread) and then writes in place
+(kv_transfer/in_place.py). Releases on failure paths are futures:
 no caller ever waits on a Release RPC to a peer that may be gone, and if it is gone its lease
 and the server's stream deadline free the blocks.
 """
@@ -10,12 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
 from kv_transfer.collective import CollectiveLink, CollectiveWriter
 from kv_transfer.errors import PeerUnavailable
+from kv_transfer.in_place import CacheMaps, InPlaceWriter, holder
 from kv_transfer.payload import InbandWriter, PayloadWriter, ShmSegmentPool, ShmWriter
 from kv_transfer.push import MAX_QUEUED_BYTES, STALL_S, KVPush
 from kv_transfer.security import SECRET_HEADER, KVTLSConfig
@@ -32,7 +35,8 @@ class KVTransferClient:
 
     `timeout_s` bounds each unary call (Reserve, Release). `secret`: the cluster secret, for
     Reserve. `tls`: connect over TLS (None: plaintext). `stall_s`, `max_queued_bytes`: each
-    push's progress deadline and queue bound (kv_transfer/push.py)."""
+    push's progress deadline and queue bound (kv_transfer/push.py). `in_place`: on shm, write
+    into a receiver's shared cache when it has one (False: always through segments)."""
 
     def __init__(
         self,
@@ -45,6 +49,7 @@ class KVTransferClient:
         tls: KVTLSConfig | None = None,
         stall_s: float = STALL_S,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        in_place: bool = True,
     ) -> None:
         if transport not in ("grpc", "shm", "collective"):
             raise ValueError(f"unknown transport {transport!r}")
@@ -58,6 +63,7 @@ class KVTransferClient:
         self.max_queued_bytes = max_queued_bytes
         self._secret = secret
         self._shm_pool = ShmSegmentPool()
+        self._caches = CacheMaps() if in_place else None
         self._lock = threading.Lock()
         self._releasing: set[grpc.Future] = set()
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-open")
@@ -73,6 +79,9 @@ class KVTransferClient:
             f"/{SERVICE}/Release", pb.ReleaseRequest.SerializeToString, pb.ReleaseResponse.FromString
         )
         self._push = self._channel.stream_unary(f"/{SERVICE}/Push", None, pb.PushResult.FromString)
+        self._claim = self._channel.unary_unary(
+            f"/{SERVICE}/Claim", pb.ClaimRequest.SerializeToString, pb.ClaimResponse.FromString
+        )
 
     def reserve(self, request_id: str, num_tokens: int, lease_ms: int = 0) -> pb.ReserveResponse:
         """Reserve over gRPC (decode workers reserve in-process instead). Raises
@@ -137,13 +146,36 @@ class KVTransferClient:
         writer: PayloadWriter = InbandWriter() if self.transport == "grpc" else ShmWriter(self._shm_pool)
         if self.link is not None:
             writer = CollectiveWriter(self.link)
+        elif (
+            self._caches is not None
+            and isinstance(writer, ShmWriter)
+            and (target := self._caches.get(reservation)) is not None
+        ):
+            writer = InPlaceWriter(target, self._claim_async(request_id, reservation.transfer_token), writer)
         stall = stall_s or deadline_s or self.stall_s
         return KVPush(self, request_id, reservation, writer, stall, self.max_queued_bytes)
+
+    def _claim_async(self, request_id: str, token: str) -> Future[None]:
+        """Claim the reservation on the opener thread (before the push's stream opens there); the
+        future fails if the receiver refuses or cannot be reached."""
+
+        def claim() -> None:
+            req = pb.ClaimRequest(request_id=request_id, transfer_token=token, holder=holder())
+            self._claim(req, timeout=self.timeout_s)
+
+        try:
+            return self._opener.submit(claim)
+        except RuntimeError as e:
+            refused: Future[None] = Future()
+            refused.set_exception(PeerUnavailable(f"claim on {self.endpoint}: the client is closed: {e}"))
+            return refused
 
     def close(self) -> None:
         self._opener.shutdown(wait=False)
         self._channel.close()
         self._shm_pool.close()
+        if self._caches is not None:
+            self._caches.close()
 
 
 class KVClients:

@@ -1,4 +1,4 @@
-"""gRPC server of the decode side: Reserve / Push / Release, a health service, a reaper.
+"""gRPC server of the decode side: Reserve / Push / Release / Claim, a health service, a reaper.
 
 The servicer is thin: it checks who may call (kv_transfer/security.py), unframes messages and
 hands them to KVReceiver. Limits, all from the cache layout or config, none from the caller:
@@ -75,6 +75,9 @@ class KVTransferServer:
             "Release": grpc.unary_unary_rpc_method_handler(
                 self._release, pb.ReleaseRequest.FromString, pb.ReleaseResponse.SerializeToString
             ),
+            "Claim": grpc.unary_unary_rpc_method_handler(
+                self._claim, pb.ClaimRequest.FromString, pb.ClaimResponse.SerializeToString
+            ),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
@@ -128,8 +131,16 @@ class KVTransferServer:
     def _release(self, req: pb.ReleaseRequest, ctx: grpc.ServicerContext) -> pb.ReleaseResponse:
         if not req.transfer_token:  # over the wire only the token holder may release
             return pb.ReleaseResponse(released=False)
-        ok = self.receiver.release(req.request_id, req.transfer_token, req.reason or "released by peer")
+        why = req.reason or "released by peer"
+        ok = self.receiver.release(req.request_id, req.transfer_token, why, writer_stopped=True)
         return pb.ReleaseResponse(released=ok)
+
+    def _claim(self, req: pb.ClaimRequest, ctx: grpc.ServicerContext) -> pb.ClaimResponse:
+        try:
+            self.receiver.claim(req.request_id, req.transfer_token, req.holder)
+        except ChunkRejected as e:
+            ctx.abort(status_of(e), str(e))
+        return pb.ClaimResponse()
 
     # ---- data -------------------------------------------------------------------------------
 

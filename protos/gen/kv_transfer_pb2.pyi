@@ -31,20 +31,38 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "transfer_token", "endpoint", "layout", "lease_ms", "max_chunk_bytes")
+    __slots__ = ("block_ids", "transfer_token", "endpoint", "layout", "lease_ms", "max_chunk_bytes", "cache_shm_name", "cache_num_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
     endpoint: str
     layout: KVLayout
     lease_ms: int
     max_chunk_bytes: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    cache_shm_name: str
+    cache_num_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., cache_shm_name: _Optional[str] = ..., cache_num_blocks: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_token", "holder")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_token: str
+    holder: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_token: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class KVChunkHeader(_message.Message):
     __slots__ = ("request_id", "transfer_token", "layer_start", "layer_end", "block_ids", "dtype", "shape", "checksum", "payload_bytes", "transport", "shm_offset", "shm_name", "commit", "num_tokens", "collective_seq")

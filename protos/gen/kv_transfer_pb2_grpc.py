@@ -49,6 +49,11 @@ class KVTransferStub:
                 request_serializer=kv__transfer__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/tandem.kv.KVTransfer/Claim',
+                request_serializer=kv__transfer__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -73,6 +78,13 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """before writing in place
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +102,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kv__transfer__pb2.ReleaseRequest.FromString,
                     response_serializer=kv__transfer__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=kv__transfer__pb2.ClaimRequest.FromString,
+                    response_serializer=kv__transfer__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +190,33 @@ class KVTransfer:
             '/tandem.kv.KVTransfer/Release',
             kv__transfer__pb2.ReleaseRequest.SerializeToString,
             kv__transfer__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.kv.KVTransfer/Claim',
+            kv__transfer__pb2.ClaimRequest.SerializeToString,
+            kv__transfer__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""The real model, prefilled on one engine and decoded on another through gRPC and shm."""
+"""The real model, prefilled on one engine and decoded on another through gRPC and shm (through
+segments, and in place into a decode cache in /dev/shm)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from kv_transfer.streaming import LayerStreamer
 from tests.unit.kv_harness import SECRET, Pair
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
-def test_disaggregated_equals_one_engine(engine_fp32: Engine, transport: str) -> None:
+@pytest.mark.parametrize("transport,in_place", [("grpc", False), ("shm", False), ("shm", True)])
+def test_disaggregated_equals_one_engine(engine_fp32: Engine, transport: str, in_place: bool) -> None:
     def sibling(**kw: object) -> Engine:
         return Engine(engine_fp32.model, engine_fp32.tokenizer, EngineConfig(dtype="fp32", num_blocks=128, **kw))  # type: ignore[arg-type]
 
     decode, prefill = sibling(role="decode"), sibling(role="prefill", max_num_batched_tokens=32)
     lock = threading.RLock()
-    receiver = KVReceiver(decode, lock)
+    receiver = KVReceiver(decode, lock, in_place=in_place)
+    assert (receiver.shared is not None) == in_place
     server = KVTransferServer(receiver, secret=SECRET).start()
     pair = Pair(prefill, decode, receiver, server, LayerStreamer(prefill), lock)
     client = pair.client(transport)

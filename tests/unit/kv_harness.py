@@ -81,16 +81,17 @@ def make_pair(
     min_message_bytes: int = 1,
     server_kw: Mapping[str, Any] | None = None,
     decode_kw: Mapping[str, Any] | None = None,
+    in_place: bool = False,
     **prefill_kw: object,
 ) -> Pair:
     """Tiny prefill and decode engines (256 blocks of 4 tokens each), a KV server on loopback
     with the test cluster secret; `server_kw` go to KVTransferServer, `decode_kw` to the decode
-    engine's config. `min_message_bytes`: the
+    engine's config, `in_place` to the receiver (its cache in /dev/shm). `min_message_bytes`: the
     streamer's (default: a message a layer, as long prompts send)."""
     decode = make_engine(model, num_blocks=256, role="decode", **(decode_kw or {}))
     prefill = make_engine(model, num_blocks=256, role="prefill", **prefill_kw)
     lock = threading.RLock()
-    receiver = KVReceiver(decode, lock, lease_s=lease_s, max_chunk_bytes=max_chunk_bytes)
+    receiver = KVReceiver(decode, lock, lease_s=lease_s, max_chunk_bytes=max_chunk_bytes, in_place=in_place)
     server = KVTransferServer(receiver, secret=SECRET, **(server_kw or {})).start()
     return Pair(prefill, decode, receiver, server, LayerStreamer(prefill, min_message_bytes), lock)
 

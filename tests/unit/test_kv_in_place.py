@@ -1,0 +1,227 @@
+"""Same-host transfers written straight into the receiver's cache, and the fence that keeps a
+sender's late writes out of blocks another request could be given.
+
+Real gRPC on loopback, a receiver whose cache lives in /dev/shm, real processes killed for
+the holder lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.model import LlamaModel
+from kv_transfer.errors import ChunkRejected, KVTransferError
+from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, InPlaceWriter, SharedCache, copy_blocks, held
+from kv_transfer.payload import SHM_DIR, ShmWriter
+from kv_transfer.sender import KVTransferClient
+from kv_transfer.wire import frame
+from protos.gen import kv_transfer_pb2 as pb
+from tests.unit.kv_harness import Pair, make_pair, wait_for
+
+NUM_BLOCKS = 256
+
+
+@pytest.fixture
+def pair(tiny_model: LlamaModel) -> Iterator[Pair]:
+    p = make_pair(tiny_model, lease_s=30, in_place=True)
+    yield p
+    p.close()
+
+
+def ours() -> set[str]:
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(("tandem-kv", "."))}
+
+
+def claimed_push(client: KVTransferClient, rid: str, tokens: int) -> tuple[pb.ReserveResponse, InPlaceWriter]:
+    res = client.reserve(rid, tokens)
+    push = client.push(rid, res)
+    writer = push.writer
+    assert isinstance(writer, InPlaceWriter), "a shm push into a shared cache writes in place"
+    assert wait_for(lambda: writer.claimed)
+    return res, writer
+
+
+@pytest.mark.parametrize("src", [[0, 1, 2, 3, 4], [7, 3, 250, 0, 42]], ids=["runs", "scattered"])
+@pytest.mark.parametrize("max_chunk_bytes", [None, 2048])
+def test_an_in_place_push_lands_bit_identical_with_no_payload_copied(
+    tiny_model: LlamaModel, src: list[int], max_chunk_bytes: int | None
+) -> None:
+    p = make_pair(tiny_model, max_chunk_bytes=max_chunk_bytes, in_place=True)
+    client = p.client("shm")
+    before = ours()
+    try:
+        kv = p.prefill.cache.kv
+        kv.copy_(torch.randn(kv.shape))
+        res = client.reserve("r", 20)
+        push = client.push("r", res)
+        assert isinstance(push.writer, InPlaceWriter)
+        assert wait_for(lambda: isinstance(push.writer, InPlaceWriter) and push.writer.claimed)
+        for layer in range(kv.shape[0]):
+            push.send_blocks(layer, layer + 1, range(5), kv[layer : layer + 1], torch.tensor(src))
+        stats = push.commit(20)
+        assert stats.bytes == kv.shape[0] * 2 * 5 * 4 * 2 * 16 * 4
+        assert torch.equal(p.decode.cache.read_blocks(list(res.block_ids)), kv.index_select(2, torch.tensor(src)))
+        assert not {f for f in ours() - before if f.startswith("tandem-kv-")}, "a payload went through a segment"
+        p.receiver.check_integrity()
+        assert p.receiver.release("r", None, "test done")
+        p.receiver.check_integrity()
+    finally:
+        client.close()
+        p.close()
+
+
+def test_sends_before_the_claim_is_answered_go_through_segments_and_still_land(pair: Pair) -> None:
+    client = pair.client("shm")
+    res = client.reserve("r", 8)
+    push = client.push("r", res)
+    data = torch.randn(1, 2, 2, 4, 2, 16)
+    push.send(0, 1, [0, 1], data)  # most likely before the claim's answer: through a segment
+    assert isinstance(push.writer, InPlaceWriter)
+    assert wait_for(lambda: isinstance(push.writer, InPlaceWriter) and push.writer.claimed)
+    push.send(1, 2, [0, 1], data)  # in place
+    push.commit(8)
+    got = pair.decode.cache.read_blocks(list(res.block_ids[:2]), slice(0, 2))
+    assert torch.equal(got, torch.cat([data, data]))
+    assert pair.receiver.release("r", None, "test done")
+    pair.receiver.check_integrity()
+    client.close()
+
+
+def test_a_claimed_reservation_the_owner_drops_stays_fenced_until_the_sender_lets_go(pair: Pair) -> None:
+    client = pair.client("shm")
+    res, _ = claimed_push(client, "r", 8)
+    taken = NUM_BLOCKS - pair.decode.kv.num_free_blocks
+    assert taken == 2
+    assert pair.receiver.release("r", None, "the client went away")  # the decode side's own abort
+    assert "r" in pair.receiver.fence
+    assert pair.decode.kv.num_free_blocks == NUM_BLOCKS - 2, "fenced blocks went back while the sender may write"
+    pair.receiver.check_integrity()
+    assert not pair.receiver.release("r", "not-the-token", "a stranger")
+    assert client.release("r", res.transfer_token, "the sender stopped")  # what KVPush does after closing its writer
+    assert pair.decode.kv.num_free_blocks == NUM_BLOCKS
+    pair.receiver.check_integrity()
+    client.close()
+
+
+def test_a_failed_in_place_push_frees_its_fenced_blocks_itself(pair: Pair) -> None:
+    client = pair.client("shm")
+    res = client.reserve("r", 8)
+    push = client.push("r", res)
+    assert wait_for(lambda: isinstance(push.writer, InPlaceWriter) and push.writer.claimed)
+    push.send(0, 1, [0, 1], torch.randn(1, 2, 2, 4, 2, 16))
+    assert pair.receiver.expire() == [] and pair.receiver.release("r", None, "lease ran out")
+    assert "r" in pair.receiver.fence
+    push.abort("prefill aborted")  # closes its writer, then Releases
+    assert wait_for(lambda: pair.decode.kv.num_free_blocks == NUM_BLOCKS)
+    assert "r" not in pair.receiver.fence
+    pair.receiver.check_integrity()
+    client.close()
+
+
+def test_fenced_blocks_are_freed_when_the_senders_process_is_killed(pair: Pair) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from kv_transfer.in_place import holder; print(holder()); "
+         "sys.stdout.flush(); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        name = child.stdout.readline().strip()
+        assert name.startswith(HOLDER_PREFIX) and held(name)
+        res = pair.receiver.reserve("r", 8)
+        pair.receiver.claim("r", res.transfer_token, name)
+        assert pair.receiver.release("r", None, "the client went away")
+        pair.receiver.expire()
+        assert "r" in pair.receiver.fence, "the sender lives: its blocks stay fenced"
+        pair.receiver.check_integrity()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        assert not held(name)
+        pair.receiver.expire()  # the reaper's round
+        assert "r" not in pair.receiver.fence
+        assert pair.decode.kv.num_free_blocks == NUM_BLOCKS
+        pair.receiver.check_integrity()
+        SharedCache.share(pair.prefill.cache)  # any new shared file sweeps what the dead left
+        assert name not in os.listdir(SHM_DIR)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_an_in_place_chunk_without_a_claim_is_rejected_and_frees_the_blocks(pair: Pair) -> None:
+    client = pair.client("grpc")
+    res = client.reserve("r", 8)
+    push = client.push("r", res)
+    header = pb.KVChunkHeader(
+        request_id="r", transfer_token=res.transfer_token, layer_start=0, layer_end=1, block_ids=res.block_ids[:2],
+        dtype="float32", shape=[1, 2, 2, 4, 2, 16], payload_bytes=2 * 2 * 4 * 2 * 16 * 4, transport="in_place",
+    )  # fmt: skip
+    push.send_frame(frame(header))
+    with pytest.raises(KVTransferError, match="without a claim"):
+        push.commit(8)
+    assert wait_for(lambda: pair.decode.kv.num_free_blocks == NUM_BLOCKS)
+    assert "r" not in pair.receiver.fence
+    pair.receiver.check_integrity()
+    client.close()
+
+
+def test_a_claim_is_refused_without_a_shared_cache_or_a_good_holder(tiny_model: LlamaModel, pair: Pair) -> None:
+    private = make_pair(tiny_model)
+    try:
+        res = private.receiver.reserve("r", 8)
+        assert not res.cache_shm_name
+        client = private.client("shm")
+        assert isinstance(client.push("r", res).writer, ShmWriter), "no shared cache: through segments"
+        client.close()
+        with pytest.raises(ChunkRejected, match="not shared"):
+            private.receiver.claim("r", res.transfer_token, f"{HOLDER_PREFIX}x")
+    finally:
+        private.close()
+    res = pair.receiver.reserve("q", 8)
+    assert res.cache_shm_name.startswith(CACHE_PREFIX)
+    for bad in ("../etc/passwd", f"{CACHE_PREFIX}x"):
+        with pytest.raises(ChunkRejected):
+            pair.receiver.claim("q", res.transfer_token, bad)
+    with pytest.raises(ChunkRejected, match="wrong"):
+        pair.receiver.claim("q", "t" * 32, f"{HOLDER_PREFIX}x")
+    pair.receiver.claim("q", res.transfer_token, f"{HOLDER_PREFIX}x")
+    with pytest.raises(ChunkRejected, match="claimed by"):
+        pair.receiver.claim("q", res.transfer_token, f"{HOLDER_PREFIX}y")
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (list(range(10)), list(range(20, 30))),  # one run
+        ([4, 5, 6, 7, 0, 1, 2, 3], [8, 9, 10, 11, 12, 13, 14, 15]),  # two runs
+        ([9, 2, 17, 4, 11, 0], [3, 30, 1, 22, 7, 15]),  # scattered
+    ],
+)
+def test_copy_blocks_matches_an_indexed_assignment(src: list[int], dst: list[int]) -> None:
+    a = torch.randn(3, 2, 32, 4, 2, 8)
+    got, want = torch.zeros_like(a), torch.zeros_like(a)
+    copy_blocks(got, dst, a, torch.tensor(src))
+    want[:, :, dst] = a[:, :, src]
+    assert torch.equal(got, want)
+    got.zero_()
+    copy_blocks(got, dst, a[:, :, src].contiguous(), None)  # a chunk already gathered
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError):
+        copy_blocks(got, dst[:-1], a, torch.tensor(src))
+
+
+def test_the_shared_cache_file_goes_with_its_receiver(tiny_model: LlamaModel) -> None:
+    p = make_pair(tiny_model, in_place=True)
+    shared = p.receiver.shared
+    assert shared is not None
+    path = os.path.join(SHM_DIR, shared.name)
+    assert os.path.exists(path)
+    p.close()
+    shared.close()
+    assert not os.path.exists(path)
