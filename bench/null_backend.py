@@ -12,7 +12,7 @@ BareApp       the floor under the router: a raw ASGI app that reads a request's 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -56,10 +56,13 @@ class NullBackend:
                   "waiting": 0, "free_blocks": 1, "num_blocks": 1, "kv_usage": 0.0, "draining": False}  # fmt: skip
         return {"desired": {"colocated": 1}, "workers": [worker]}
 
-    def scale(self, role: str, replicas: int) -> None:
+    def scale(self, sizes: Mapping[str, int]) -> None:
         raise RuntimeError("the null backend has one fixed worker: it cannot scale")
 
     def drain(self, worker_id: str) -> bool:
+        return False
+
+    def flip(self, worker_id: str, role: str) -> bool:
         return False
 
     def ready(self) -> bool:

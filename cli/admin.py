@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--force", action="store_true", help="even if no pool could serve requests afterwards")
     drain = sub.add_parser("drain", help="drain one worker (it finishes its requests, then stops)")
     drain.add_argument("worker_id")
+    flip = sub.add_parser("flip", help="turn a prefill worker into a decode worker or back, in place")
+    flip.add_argument("worker_id")
+    flip.add_argument("role", choices=["prefill", "decode"])
+    flip.add_argument("--force", action="store_true", help="even if no pool could serve requests afterwards")
     rebalance = sub.add_parser("rebalance", help="set the prefill and decode pool sizes together")
     rebalance.add_argument("prefill", type=int)
     rebalance.add_argument("decode", type=int)
@@ -37,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
             {"replicas": getattr(args, "replicas", 0), **force},
         ),
         "drain": ("POST", f"/admin/workers/{getattr(args, 'worker_id', '')}/drain", None),
+        "flip": (
+            "POST",
+            f"/admin/workers/{getattr(args, 'worker_id', '')}/role",
+            {"role": getattr(args, "role", ""), **force},
+        ),
         "rebalance": (
             "POST",
             "/admin/rebalance",

@@ -63,7 +63,7 @@ def _status(argv: list[str]) -> int:
 COMMANDS = {
     "serve": (_serve, "start (or join) the cluster and serve the OpenAI-compatible API"),
     "bench": (_bench, "benchmarks: " + ", ".join(BENCHES)),
-    "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, rebalance P D"),
+    "admin": (_admin, "the router's admin API: pools, scale ROLE N, drain ID, flip ID ROLE, rebalance P D"),
     "profile": (_profile, "measure this machine's engine profile for the planner (--compare: vs the roofline)"),
     "plan": (_plan, "goodput of every P:D split and colocated for a trace, and the cheapest node mix (simulated)"),
     "status": (_status, "a live terminal view of the pools and the load (--once: one frame)"),

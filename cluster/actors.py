@@ -1,4 +1,5 @@
-"""The Ray actors: the plain workers, plus a control lane and registration in Redis (cluster.registration).
+"""The Ray actors: each holds one worker, its calls on lanes, registration in Redis (cluster.registration).
+Prefill and decode workers are one actor class, PDActor, which flips between the two roles in place.
 
 Actors are threaded, with three lanes (Ray concurrency groups), so that no control call ever
 waits behind generation:
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import ray
@@ -25,10 +27,10 @@ from cluster.registration import PublishesBlocks, Registered
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.messages import TokenOutput
 from engine.outbox import Item
 from engine.outputs import RequestOutput
-from engine.worker_base import WorkerBase
+from engine.role_switch import check_switch
+from engine.worker_base import WorkerBase, WorkerDraining
 from kv_transfer.security import KVTLSConfig
 from kv_transfer.write_back import WriteBackResult, WriteBackTicket
 from prefill_workers.worker import PrefillResult, PrefillWorker
@@ -42,6 +44,7 @@ HEALTH, CONTROL, FEED = "health", "control", "feed"
 CONCURRENCY_GROUPS = {HEALTH: 4, CONTROL: 16, FEED: 8}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_W = TypeVar("_W", bound=WorkerBase)
 
 
 def _lane(group: str) -> Callable[[_F], _F]:
@@ -53,44 +56,67 @@ def _lane(group: str) -> Callable[[_F], _F]:
     return tag
 
 
-class _ControlLane(WorkerBase):
-    """First among each actor's bases, so these overrides win: the same methods, on their own lanes.
-    The request-serving methods stay in the default group, wrapped in `serving()` for idle()."""
+class _Hosted:
+    """An actor around one worker, `self.w`: its calls on their lanes. The request-serving
+    calls stay in the default group, counted by `serving()` for idle()."""
+
+    w: WorkerBase
+
+    @property
+    def worker_id(self) -> str:
+        return self.w.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.w.role
 
     @_lane(HEALTH)
     def ping(self) -> str:
-        return super().ping()
+        return self.w.ping()
 
     @_lane(HEALTH)
     def drain(self) -> None:
-        super().drain()
+        self.w.drain()
 
     @_lane(CONTROL)
     def idle(self) -> bool:
-        return super().idle()
+        return self.w.idle()
 
     @_lane(CONTROL)
     def abort(self, request_id: str) -> bool:
-        return super().abort(request_id)
+        return self.w.abort(request_id)
 
     @_lane(CONTROL)
     def stats(self) -> dict[str, Any]:
-        return super().stats()
+        return self.w.stats()
 
     @_lane(FEED)
     def take_outputs(self, subscriber: str, wait_s: float) -> list[Item]:
-        return super().take_outputs(subscriber, wait_s)
+        return self.w.take_outputs(subscriber, wait_s)
 
     def start(self, *args: Any, **kwargs: Any) -> None:
-        with self.serving():
-            super().start(*args, **kwargs)
+        with self.w.serving():
+            self.w.start(*args, **kwargs)
 
     @_lane(CONTROL)
     def check_integrity(self) -> None:
-        super().check_integrity()
+        self.w.check_integrity()
+
+    def pop_block_events(self) -> tuple[list[int], list[int]]:
+        return self.w.pop_block_events()
+
+    def shutdown(self) -> None:
+        self.w.shutdown()
 
 
-class PrefillActor(_ControlLane, PrefillWorker, PublishesBlocks):
+class PDActor(_Hosted, PublishesBlocks):
+    """A prefill or a decode worker that can flip to the other role in place (`flip`): the
+    engine, its weights and its cache (prefix cache included) stay; only the role's parts (the
+    KV server, or the KV clients) close and open anew. A call for the role it no longer has is
+    refused as a draining worker refuses one (WorkerDraining: the router tries another)."""
+
+    w: PrefillWorker | DecodeWorker
+
     def __init__(
         self,
         worker_id: str,
@@ -101,45 +127,77 @@ class PrefillActor(_ControlLane, PrefillWorker, PublishesBlocks):
         transport: str = "grpc",
         tls: KVTLSConfig | None = None,
     ) -> None:
-        PrefillWorker.__init__(self, worker_id, model_path, config, transport, tls=tls, host=_bind_host())
-        self._register(state_url, namespace)
-
-    def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
-        with self.serving():
-            try:
-                return super().prefill(*args, **kwargs)
-            finally:
-                self.publish_soon()
-
-    def adopt_write_back(self, request_id: str, token_ids: list[int]) -> None:
-        try:
-            super().adopt_write_back(request_id, token_ids)
-        finally:
-            self.publish_soon()  # the next turn, perhaps sent already, looks these blocks up
-
-
-class DecodeActor(_ControlLane, DecodeWorker, PublishesBlocks):
-    def __init__(
-        self,
-        worker_id: str,
-        model_path: str,
-        config: EngineConfig,
-        state_url: str,
-        namespace: str,
-        tls: KVTLSConfig | None = None,
-    ) -> None:
-        DecodeWorker.__init__(self, worker_id, model_path, config, host=_bind_host(), tls=tls)
-        self._register(state_url, namespace)
+        self._model_path, self._transport, self._tls = model_path, transport, tls
+        self.w = self._make(worker_id, config, None)
         # a request's end publishes its answer's blocks at once: a next turn may follow right away
-        self.loop.on_outputs.append(self._publish_on_finish)
+        self.w.loop.on_outputs.append(self._publish_on_finish)
+        self._register(state_url, namespace)
+
+    def _make(self, worker_id: str, config: EngineConfig, core: WorkerBase | None) -> PrefillWorker | DecodeWorker:
+        if config.role == "prefill":
+            return PrefillWorker(
+                worker_id, self._model_path, config, self._transport, tls=self._tls, host=_bind_host(), core=core
+            )
+        return DecodeWorker(worker_id, self._model_path, config, host=_bind_host(), tls=self._tls, core=core)
+
+    @_lane(CONTROL)
+    def flip(self, config: EngineConfig) -> float:
+        """Serve `config.role` from now on (engine/role_switch.py: same weights, same cache);
+        returns the seconds it took. The worker must be drained and idle, and it is open for
+        work again after. Raises WorkerDraining if it is not drained, ValueError if it is not
+        idle or `config` needs another engine."""
+        t = time.monotonic()
+        old = self.w
+        if config.role == old.role:
+            old.draining = False
+            return 0.0
+        if not old.draining:
+            raise WorkerDraining(f"worker {old.worker_id} must be drained before it flips")
+        if not self.idle():
+            raise ValueError(f"worker {old.worker_id} still has work in flight")
+        old.loop.call(lambda e: check_switch(e, config))  # before anything closes: a refusal changes nothing
+        old.close_role()
+        self.w = self._make(old.worker_id, config, old)
+        self._reregister()
+        return time.monotonic() - t
+
+    def _as(self, kind: type[_W]) -> _W:
+        if not isinstance(self.w, kind):
+            raise WorkerDraining(f"worker {self.w.worker_id} serves {self.w.role} now")
+        return self.w
 
     def _publish_on_finish(self, outs: list[RequestOutput]) -> None:
         if any(o.finished for o in outs):
             self.publish_soon()
 
+    # ---- prefill ----------------------------------------------------------------------------
+
+    def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        w = self._as(PrefillWorker)
+        with w.serving():
+            try:
+                return w.prefill(*args, **kwargs)
+            finally:
+                self.publish_soon()
+
+    def reserve_write_back(self, request_id: str, token_ids: list[int]) -> WriteBackTicket | None:
+        return self._as(PrefillWorker).reserve_write_back(request_id, token_ids)
+
+    def adopt_write_back(self, request_id: str, token_ids: list[int]) -> None:
+        try:
+            self._as(PrefillWorker).adopt_write_back(request_id, token_ids)
+        finally:
+            self.publish_soon()  # the next turn, perhaps sent already, looks these blocks up
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> bytes:
+        return self._as(DecodeWorker).reserve(request_id, num_tokens, lease_s)
+
     def start_decode(self, *args: Any, **kwargs: Any) -> None:
-        with self.serving():
-            super().start_decode(*args, **kwargs)
+        w = self._as(DecodeWorker)
+        with w.serving():
+            w.start_decode(*args, **kwargs)
 
     def write_back(self, request_id: str, token_ids: list[int], target: Any) -> WriteBackResult | None:
         """DecodeWorker.send_write_back to `target`, a prefill actor. Best effort, after a turn: a
@@ -155,33 +213,35 @@ class DecodeActor(_ControlLane, DecodeWorker, PublishesBlocks):
             ray.get(target.adopt_write_back.remote(request_id, tokens), timeout=WRITE_BACK_CALL_S)
 
         try:
-            with self.serving():
-                return self.send_write_back(request_id, token_ids, reserve, adopt)
+            w = self._as(DecodeWorker)
+            with w.serving():
+                return w.send_write_back(request_id, token_ids, reserve, adopt)
         except Exception as e:
             log.warning("write-back %s failed: %s: %s", request_id, type(e).__name__, e)
             return None
 
     @_lane(CONTROL)
     def release(self, request_id: str) -> bool:
-        return super().release(request_id)
+        w = self.w
+        return w.release(request_id) if isinstance(w, DecodeWorker) else False
 
     @_lane(CONTROL)
     def idle(self) -> bool:
-        # A reservation is a request between reserve() and generate(): a drain waits for it too.
-        return bool(self.loop.call(lambda e: len(self.receiver.table) == 0)) and super().idle()
+        w = self.w
+        if isinstance(w, DecodeWorker):  # a reservation is a request between reserve() and generate()
+            rx = w.receiver
+            if not w.loop.call(lambda e: len(rx.table) == 0 and not rx.fence.ids()):
+                return False
+        return w.idle()
 
 
-class ColocatedActor(_ControlLane, ColocatedWorker, Registered):
+class ColocatedActor(_Hosted, Registered):
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
-        super().__init__(worker_id, model_path, config)
+        self.w = ColocatedWorker(worker_id, model_path, config)
         self._register(state_url, namespace)
 
-    def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
-        with self.serving():
-            yield from super().generate(*args, **kwargs)
 
-
-ACTOR_CLASSES: dict[str, type] = {"prefill": PrefillActor, "decode": DecodeActor, "colocated": ColocatedActor}
+ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "colocated": ColocatedActor}
 
 
 def _bind_host() -> str:
@@ -226,6 +286,5 @@ def start_worker(
         config,
         state_url,
         namespace,
-        *([transport] if role == "prefill" else []),
-        **({"tls": tls} if role != "colocated" else {}),
+        **({"transport": transport, "tls": tls} if role != "colocated" else {}),
     )

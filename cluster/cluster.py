@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,11 +120,21 @@ class Cluster:
     # ---- operations ---------------------------------------------------------------------------
 
     def scale(self, role: str, replicas: int) -> None:
-        self.state.set_desired(role, replicas)
-        self.state.emit("scaled", role=role, replicas=replicas)
+        self.resize({role: replicas})
+
+    def resize(self, sizes: Mapping[str, int]) -> None:
+        """Set pools' desired sizes in one write: a rebalance that shrinks one P/D pool and grows
+        the other is seen whole by the pool manager, which flips a worker instead."""
+        self.state.set_desired(sizes)
+        for role, replicas in sizes.items():
+            self.state.emit("scaled", role=role, replicas=replicas)
 
     def drain(self, worker_id: str) -> bool:
         return bool(ray.get(self.manager.drain.remote(worker_id), timeout=10))
+
+    def flip(self, worker_id: str, role: str) -> bool:
+        """PoolManager.flip: it waits out the round in progress (about a second)."""
+        return bool(ray.get(self.manager.flip.remote(worker_id, role), timeout=30))
 
     def workers(self) -> list[dict[str, Any]]:
         """The pool manager's view merged with each worker's last heartbeat."""

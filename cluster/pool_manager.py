@@ -5,10 +5,10 @@ Every half second, one round on its own thread:
     desired  <- Redis (short timeout; on an outage, the last sizes it read)   no lock
     records  <- a copy of the worker table                                     lock, briefly
     probes   -> ping (health lane) every worker, idle() every drained one,
-                wait up to probe_s for the answers                             no lock
+                wait up to probe_s for the answers (cluster/worker_table.py)    no lock
     plan     =  pool_plan.decide(...)                                          pure
     table    <- promotions, removals, drains; publish a new WorkerTable        lock, briefly
-    actions  -> kill removed actors, drain(), start actors, Redis events       no lock
+    actions  -> kill removed actors, drain(), flip(), start actors, events     no lock
 
 No lock is held over a Ray or Redis call, and `handles()` / `snapshot()` read the published
 WorkerTable, an immutable value swapped in one assignment, without any lock: the request
@@ -23,15 +23,15 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError
 
 from cluster.actors import start_worker
-from cluster.pool_plan import Limits, RoundPlan, State, WorkerHealth, decide
+from cluster.pool_plan import FLIPPABLE, Limits, RoundPlan, WorkerHealth, decide
 from cluster.state import ClusterState, StateUnavailable
+from cluster.worker_table import Seen, WorkerRecord, WorkerTable, probe
 from engine.config import EngineConfig
 from kv_transfer.security import KVTLSConfig
 
@@ -41,54 +41,10 @@ REDIS_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
-class WorkerEntry:
-    worker_id: str
-    role: str
-    state: State
-    handle: Any
-
-
-@dataclass(frozen=True)
-class WorkerTable:
-    """The workers as of the last change; replaced whole, never mutated."""
-
-    entries: tuple[WorkerEntry, ...] = ()
-
-    def handles(self) -> dict[str, Any]:
-        return {e.worker_id: e.handle for e in self.entries if e.state == "up"}
-
-
-@dataclass(frozen=True)
 class ManagerStatus:
     rounds: int  # reconcile rounds completed
     state_ok: bool  # the last round reached Redis
     desired: dict[str, int] | None  # the sizes it works to (None: never read); a copy
-
-
-@dataclass
-class _Worker:
-    """A worker's record. `state` and `drain_ref` change under the lock; the probe fields
-    (`ping_ref`, `idle_ref`, `last_seen`, `drained`) belong to the round thread alone."""
-
-    worker_id: str
-    role: str
-    handle: Any
-    state: State = "starting"
-    started: float = field(default_factory=time.monotonic)
-    drain_ref: Any = None
-    ping_ref: Any = None
-    idle_ref: Any = None
-    last_seen: float | None = None
-    drained: bool = False  # the worker acknowledged drain(): an idle() answer now means it
-
-    def entry(self) -> WorkerEntry:
-        return WorkerEntry(self.worker_id, self.role, self.state, self.handle)
-
-
-@dataclass
-class _Seen:
-    dead: bool = False
-    idle: bool = False
 
 
 class PoolManager:
@@ -114,7 +70,7 @@ class PoolManager:
         self.interval_s = interval_s
         self.limits = limits or Limits()
         self.probe_s = probe_s
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRecord] = {}
         self._desired: dict[str, int] | None = None
         self._ids = itertools.count()
         self._lock = threading.Lock()  # guards _workers, record states, _epoch; never held over a call
@@ -159,6 +115,30 @@ class PoolManager:
         self._send_drain(w)
         return True
 
+    def flip(self, worker_id: str, role: str) -> bool:
+        """Turn an up prefill or decode worker into the other role in place: drained (what it
+        holds finishes), then switched with its weights and cache kept (PDActor.flip). The
+        desired sizes move with it, so no pool starts or drains for it. False if no such worker
+        is up in the other role. Raises StateUnavailable (Redis away: nothing changed)."""
+        if role not in FLIPPABLE:
+            raise ValueError(f"a worker flips between {sorted(FLIPPABLE)}, not to {role!r}")
+        with self._round_lock:  # between rounds: none plans around a half-made change
+            with self._lock:
+                w = self._workers.get(worker_id)
+                if w is None or w.state != "up" or w.role == role or w.role not in FLIPPABLE:
+                    return False
+                was = w.role
+            desired = self.state.desired() or dict(self._desired or {})
+            desired[was] = max(0, desired.get(was, 0) - 1)
+            desired[role] = desired.get(role, 0) + 1
+            self.state.set_desired({was: desired[was], role: desired[role]})
+            with self._lock:
+                self._desired = desired
+                w.state, w.flip_to, w.flip_started = "flipping", role, time.monotonic()
+                self._publish()
+        self._send_drain(w)
+        return True
+
     def shutdown(self) -> None:
         """Stop reconciling and kill every worker."""
         self._stop.set()
@@ -186,15 +166,18 @@ class PoolManager:
             with self._lock:
                 workers = list(self._workers.values())
                 epoch = self._epoch
-            seen = self._probe(workers)
+            seen = probe(workers, self._lock, self.probe_s)
+            self._end_flips(workers, seen)
             now = time.monotonic()
-            health = [self._health(w, seen.get(w.worker_id, _Seen()), now) for w in workers]
+            health = [self._health(w, seen.get(w.worker_id, Seen()), now) for w in workers]
             plan = decide(health, desired, self.limits)
-            removed, drains, resize = self._apply(plan, epoch)
+            removed, drains, turns, resize = self._apply(plan, epoch)
             for w, reason in removed:
                 self._kill(w, reason)
             for w in drains:
                 self._send_drain(w)
+            for w in turns:
+                w.flip_ref = w.handle.flip.remote(self.configs[w.flip_to])
             if resize and not self._stop.is_set():
                 for role in plan.start:
                     self._start(role)
@@ -216,56 +199,16 @@ class PoolManager:
         self._desired = desired
         return desired, True
 
-    def _probe(self, workers: list[_Worker]) -> dict[str, _Seen]:
-        """Ask every worker for a ping (and drained ones for idle()), wait up to probe_s.
-
-        A call still pending stays pending into the next round rather than being sent again,
-        so silence is measured from the last answer, however slow one round was."""
-        with self._lock:
-            acks = {w.worker_id: w.drain_ref for w in workers if w.drain_ref is not None and not w.drained}
-        for w in workers:
-            if w.ping_ref is None:
-                w.ping_ref = w.handle.ping.remote()
-            if w.drained and w.idle_ref is None:
-                w.idle_ref = w.handle.idle.remote()
-        pending = [r for w in workers for r in (w.ping_ref, w.idle_ref) if r is not None] + list(acks.values())
-        ready = set(ray.wait(pending, num_returns=len(pending), timeout=self.probe_s)[0]) if pending else set()
-        seen: dict[str, _Seen] = {}
-        now = time.monotonic()
-        for w in workers:
-            s = seen[w.worker_id] = _Seen()
-            if w.ping_ref in ready:
-                ok, _ = self._answer(w.ping_ref, s)
-                w.ping_ref = None
-                if ok:
-                    w.last_seen = now
-            if w.idle_ref in ready:
-                ok, idle = self._answer(w.idle_ref, s)
-                w.idle_ref = None
-                s.idle = ok and bool(idle)
-            if acks.get(w.worker_id) in ready:
-                w.drained, _ = self._answer(acks[w.worker_id], s)
-        return seen
-
-    @staticmethod
-    def _answer(ref: Any, seen: _Seen) -> tuple[bool, Any]:
-        """(True, value) for an answer; an actor error marks the worker dead, except one that
-        says it is only unreachable for now (that counts as silence)."""
-        try:
-            return True, ray.get(ref, timeout=0)
-        except ActorUnavailableError:
-            return False, None
-        except Exception:
-            seen.dead = True
-            return False, None
-
-    def _health(self, w: _Worker, seen: _Seen, now: float) -> WorkerHealth:
+    def _health(self, w: WorkerRecord, seen: Seen, now: float) -> WorkerHealth:
         silent = None if w.last_seen is None else now - w.last_seen
-        return WorkerHealth(w.worker_id, w.role, w.state, now - w.started, silent, seen.dead, seen.idle)
+        return WorkerHealth(w.worker_id, w.role, w.state, now - w.started, silent, seen.dead, seen.idle, w.flip_to)
 
-    def _apply(self, plan: RoundPlan, epoch: int) -> tuple[list[tuple[_Worker, str]], list[_Worker], bool]:
+    def _apply(self, plan: RoundPlan, epoch: int) -> tuple[list[tuple[WorkerRecord, str]], list[WorkerRecord],
+                                                          list[WorkerRecord], bool]:  # fmt: skip
         """Apply the plan to the table under the lock and publish it; returns the records to
-        kill (with why), those to drain, and whether the pool sizes may change this round."""
+        kill (with why), those to drain (flips included), those to turn now, and whether the
+        pool sizes may change this round."""
+        now = time.monotonic()
         with self._lock:
             for wid in plan.promote:
                 w = self._workers.get(wid)
@@ -273,14 +216,40 @@ class PoolManager:
                     w.state = "up"
             removed = [(w, r.reason) for r in plan.remove if (w := self._workers.pop(r.worker_id, None)) is not None]
             resize = epoch == self._epoch  # a drain() since the plan was made: resize next round
-            drains: list[_Worker] = []
+            drains: list[WorkerRecord] = []
             for wid in plan.drain if resize else ():
                 w = self._workers.get(wid)
                 if w is not None and w.state != "draining":
                     w.state = "draining"
                     drains.append(w)
+            for wid, role in plan.flip if resize else ():
+                w = self._workers.get(wid)
+                if w is not None and w.state == "up":
+                    w.state, w.flip_to, w.flip_started = "flipping", role, now
+                    drains.append(w)
+            turns = [w for wid in plan.turn if (w := self._workers.get(wid)) is not None and w.flip_ref is None]
             self._publish()
-        return removed, drains, resize
+        return removed, drains, turns, resize
+
+    def _end_flips(self, workers: list[WorkerRecord], seen: dict[str, Seen]) -> None:
+        """Flips the workers answered: up in their new role, or (refused) drained away."""
+        for w in workers:
+            s = seen.get(w.worker_id)
+            if s is None or (s.flipped_s is None and not s.flip_error):
+                continue
+            was, to = w.role, w.flip_to
+            with self._lock:
+                if s.flipped_s is not None:
+                    w.role, w.state, w.flip_to, w.drained, w.drain_ref = to, "up", "", False, None
+                else:
+                    w.state, w.flip_to = "draining", ""  # drained and idle: the next round removes it
+                self._publish()
+            if s.flipped_s is not None:
+                total = time.monotonic() - w.flip_started
+                self._emit("worker_flipped", worker_id=w.worker_id, role=to, was=was,
+                           switch_s=f"{s.flipped_s:.3f}", total_s=f"{total:.3f}")  # fmt: skip
+            else:
+                self._emit("flip_failed", worker_id=w.worker_id, role=was, to=to, reason=s.flip_error)
 
     def _publish(self) -> None:
         """Under the lock: swap in a fresh table for the lock-free readers."""
@@ -301,16 +270,20 @@ class PoolManager:
             self.kv_tls,
         )
         with self._lock:
-            self._workers[worker_id] = _Worker(worker_id, role, handle)
+            self._workers[worker_id] = WorkerRecord(worker_id, role, handle)
             self._publish()
 
-    def _send_drain(self, w: _Worker) -> None:
+    def _send_drain(self, w: WorkerRecord) -> None:
         ref = w.handle.drain.remote()
         with self._lock:
             w.drain_ref = ref
-        self._emit("worker_draining", worker_id=w.worker_id, role=w.role)
+            to = w.flip_to
+        if to:
+            self._emit("worker_flipping", worker_id=w.worker_id, role=w.role, to=to)
+        else:
+            self._emit("worker_draining", worker_id=w.worker_id, role=w.role)
 
-    def _kill(self, w: _Worker, why: str) -> None:
+    def _kill(self, w: WorkerRecord, why: str) -> None:
         with contextlib.suppress(Exception):
             ray.kill(w.handle)
         with contextlib.suppress(StateUnavailable):  # its entry expires with its heartbeats anyway

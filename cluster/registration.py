@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,10 +26,16 @@ HEARTBEAT_REDIS_TIMEOUT_S = 0.5
 class Registered:
     """Mixin: keep this worker's entry in Redis."""
 
-    worker_id: str
-    role: str
     state: ClusterState
     _stop_hb: threading.Event
+
+    if TYPE_CHECKING:  # the actor's, read from the worker it holds
+
+        @property
+        def worker_id(self) -> str: ...
+
+        @property
+        def role(self) -> str: ...
 
     def _register(self, state_url: str, namespace: str) -> None:
         self.state = ClusterState(state_url, namespace, socket_timeout_s=HEARTBEAT_REDIS_TIMEOUT_S, retries=0)
@@ -40,6 +46,14 @@ class Registered:
         except StateUnavailable:  # Redis is away: serve anyway, the first beat that reaches it registers
             pass
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+
+    def _reregister(self) -> None:
+        """Write this worker's entry now (its role changed): best effort, as every beat."""
+        try:
+            self.state.register_worker(self.worker_id, self._info(), TTL_S)
+            self.state.emit("worker_up", worker_id=self.worker_id, role=self.role)
+        except StateUnavailable:
+            pass
 
     def _info(self) -> dict[str, Any]:
         info: dict[str, Any] = self.stats()  # type: ignore[attr-defined]

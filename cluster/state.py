@@ -23,7 +23,7 @@ import functools
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
@@ -223,13 +223,16 @@ class ClusterState:
     # ---- desired pool sizes ----------------------------------------------
 
     @_unavailable_as_state_error
-    def set_desired(self, role: str, replicas: int) -> None:
-        """Set the desired replica count of a pool. Raises ValueError for an unknown role or replicas < 0."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise ValueError(f"replicas must be an int >= 0, got {replicas!r}")
-        self._r.hset(self.key("desired"), role, replicas)
+    def set_desired(self, role: str | Mapping[str, int], replicas: int = 0) -> None:
+        """Set the desired replica count of a pool, or of several in one write ({role: replicas}).
+        Raises ValueError for an unknown role or replicas < 0."""
+        sizes = dict(role) if isinstance(role, Mapping) else {role: replicas}
+        for r, n in sizes.items():
+            if r not in ROLES:
+                raise ValueError(f"role must be one of {sorted(ROLES)}, got {r!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"replicas must be an int >= 0, got {n!r}")
+        self._r.hset(self.key("desired"), mapping=cast(dict[Any, Any], sizes))
 
     @_unavailable_as_state_error
     def desired(self) -> dict[str, int]:

@@ -33,9 +33,11 @@ class DecodeWorker(WorkerBase):
         host: str = "127.0.0.1",
         lease_s: float = 10.0,
         tls: KVTLSConfig | None = None,
+        core: WorkerBase | None = None,
     ) -> None:
-        """`tls`: serve the KV endpoint over TLS (mutual with a CA file); None: plaintext."""
-        super().__init__(worker_id, model_path, config)
+        """`tls`: serve the KV endpoint over TLS (mutual with a CA file); None: plaintext.
+        `core`: a role flip's (engine/worker_base.py)."""
+        super().__init__(worker_id, model_path, config, core)
         # its cache in /dev/shm: a same-host prefill worker (--transport shm) writes it in place
         self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s, in_place=True)
         self.server = KVTransferServer(self.receiver, host=host, tls=tls).start()
@@ -104,9 +106,8 @@ class DecodeWorker(WorkerBase):
         self.receiver.check_integrity()  # the engine's too
         self.outboxes.check_integrity(self.loop.streaming())
 
-    def shutdown(self) -> None:
+    def close_role(self) -> None:
         self.server.stop(0)
-        super().shutdown()
         self.write_back_source.clients.close()
         if self.receiver.shared is not None:
             self.receiver.shared.close()  # a killed worker's is swept by the next to start

@@ -18,6 +18,7 @@ from engine.errors import EngineError
 from engine.loop import EngineLoop
 from engine.messages import TokenOutput
 from engine.outbox import Item, Outboxes
+from engine.role_switch import switch_role
 from engine.sampling_params import SamplingParams
 from engine.torch_threads import on_spent_thread
 
@@ -35,15 +36,22 @@ class WorkerDraining(EngineError):
 class WorkerBase:
     role = "both"
 
-    def __init__(self, worker_id: str, model_path: str, config: EngineConfig) -> None:
+    def __init__(self, worker_id: str, model_path: str, config: EngineConfig, core: WorkerBase | None = None) -> None:
+        """`core`: an idle worker of another role whose engine, loop and outboxes this one takes
+        over (a role flip: nothing reloads; `load_s` is then the switch's time). Its role's own
+        parts must be closed (`close_role`). Raises ValueError as engine.role_switch."""
         t = time.monotonic()
         self.worker_id = worker_id
         self.config = config
-        # built off this thread, so that the loop's thread holds the process's only OpenMP team
-        self.engine = on_spent_thread(lambda: Engine.from_path(model_path, config))
-        self.loop = EngineLoop(self.engine).start()
-        self.outboxes = Outboxes(self.loop.abort)
-        self.loop.on_dispatched.append(self.outboxes.flush)
+        if core is None:
+            # built off this thread, so that the loop's thread holds the process's only OpenMP team
+            self.engine = on_spent_thread(lambda: Engine.from_path(model_path, config))
+            self.loop = EngineLoop(self.engine).start()
+            self.outboxes = Outboxes(self.loop.abort)
+            self.loop.on_dispatched.append(self.outboxes.flush)
+        else:
+            self.engine, self.loop, self.outboxes = core.engine, core.loop, core.outboxes
+            self.loop.call(lambda e: switch_role(e, config))
         self._last_stats: dict[str, Any] = {"worker_id": worker_id, "role": self.role, "pid": os.getpid()}
         self.draining = False
         self._calls = 0
@@ -150,6 +158,10 @@ class WorkerBase:
         self.loop.check_integrity()
         self.outboxes.check_integrity(self.loop.streaming())
 
+    def close_role(self) -> None:
+        """Close what only this role uses (servers, clients), keeping the engine and its loop."""
+
     def shutdown(self) -> None:
+        self.close_role()
         self.outboxes.close()
         self.loop.stop()

@@ -60,10 +60,12 @@ class PrefillWorker(WorkerBase):
         timeout_s: float = 10.0,
         tls: KVTLSConfig | None = None,
         host: str = "127.0.0.1",
+        core: WorkerBase | None = None,
     ) -> None:
         """`tls`: dial decode workers' KV endpoints over TLS (and serve write-backs over it);
-        None: plaintext. `host`: where this worker's KV endpoint, for write-backs, listens."""
-        super().__init__(worker_id, model_path, config)
+        None: plaintext. `host`: where this worker's KV endpoint, for write-backs, listens.
+        `core`: a role flip's (engine/worker_base.py)."""
+        super().__init__(worker_id, model_path, config, core)
         self.transport = transport
         self.timeout_s = timeout_s
         self.tls = tls
@@ -143,10 +145,11 @@ class PrefillWorker(WorkerBase):
             transfer=stats,
         )
 
-    def shutdown(self) -> None:
-        if self._inbound is not None:
-            self._inbound[1].stop(0)
-        super().shutdown()
+    def close_role(self) -> None:
+        with self._inbound_lock:
+            inbound, self._inbound = self._inbound, None
+        if inbound is not None:
+            inbound[1].stop(0)
         self.clients.close()
 
     def check_integrity(self) -> None:

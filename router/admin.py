@@ -1,4 +1,4 @@
-"""The admin API: pools, scaling, draining, rebalancing (bearer token; see router.auth).
+"""The admin API: pools, scaling, draining, role flips, rebalancing (bearer token; see router.auth).
 
 A scale or rebalance that would take the desired sizes from "can serve" (a prefill and a decode
 worker, or a colocated one) to "cannot" is refused with a 400 unless the body says `"force": true`.
@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Depends
 
 from router.auth import admin_check
-from router.backend import ROLES, Backend
+from router.backend import FLIPPABLE, ROLES, Backend
 from router.errors import APIError, admin_error
-from router.requests import RebalanceBody, ScaleBody
+from router.requests import FlipBody, RebalanceBody, ScaleBody
 from router.settings import RouterSettings
 
 T = TypeVar("T")
@@ -79,7 +79,7 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
     async def scale(role: str, body: ScaleBody) -> dict[str, Any]:
         check_replicas(role, body.replicas)
         await check_still_serves({role: body.replicas}, body.force, "replicas")
-        await cluster(backend.scale, role, body.replicas)
+        await cluster(backend.scale, {role: body.replicas})
         return {"role": role, "replicas": body.replicas}
 
     @api.post("/workers/{worker_id}/drain")
@@ -87,6 +87,31 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
         if not await cluster(backend.drain, worker_id):
             raise APIError(404, f"no worker {worker_id!r}", param="worker_id", code="unknown_worker")
         return {"worker_id": worker_id, "state": "draining"}
+
+    @api.post("/workers/{worker_id}/role")
+    async def flip(worker_id: str, body: FlipBody) -> dict[str, Any]:
+        """Turn a prefill worker into a decode worker or back, in place: it drains, then switches
+        role with its weights and cache kept. The pool sizes move with it."""
+        if body.role not in FLIPPABLE:
+            raise APIError(400, f"a worker flips between {' and '.join(FLIPPABLE)}", param="role", code="bad_role")
+        status = await cluster(backend.status)
+        w = next((w for w in status.get("workers", []) if w.get("worker_id") == worker_id), None)
+        if w is None:
+            raise APIError(404, f"no worker {worker_id!r}", param="worker_id", code="unknown_worker")
+        if w.get("role") == body.role:
+            return {"worker_id": worker_id, "role": body.role, "state": w.get("state")}
+        if w.get("role") not in FLIPPABLE or w.get("state") != "up":
+            message = (
+                f"worker {worker_id!r} is {w.get('role')}, {w.get('state')}: only an up prefill or decode worker flips"
+            )
+            raise APIError(409, message, param="worker_id", code="cannot_flip")
+        desired: dict[str, int] = dict(status.get("desired", {}))
+        was = str(w["role"])
+        change = {was: max(0, desired.get(was, 0) - 1), body.role: desired.get(body.role, 0) + 1}
+        await check_still_serves(change, body.force, "role")
+        if not await cluster(backend.flip, worker_id, body.role):
+            raise APIError(409, f"worker {worker_id!r} changed meanwhile; look again", code="cannot_flip")
+        return {"worker_id": worker_id, "role": body.role, "state": "flipping"}
 
     @api.get("/events")
     async def events(since: str = "0-0", count: int = 100) -> dict[str, Any]:
@@ -105,8 +130,7 @@ def build(backend: Backend, settings: RouterSettings) -> APIRouter:
         check_replicas("decode", body.decode)
         change = {"prefill": body.prefill, "decode": body.decode}
         await check_still_serves(change, body.force, "decode" if body.prefill else "prefill")
-        await cluster(backend.scale, "prefill", body.prefill)
-        await cluster(backend.scale, "decode", body.decode)
+        await cluster(backend.scale, change)  # one write: a worker of the long pool flips to the short one
         return {"prefill": body.prefill, "decode": body.decode}
 
     return api

@@ -90,10 +90,8 @@ class Autoscaler:
         if self.planner is not None and trace is not None:
             planned = self.planner(trace.at_rate(self.config.headroom), slo, current)
         decision, self.memory = decide(self.clock(), current, planned, window, self.config.bounds, self.memory)
-        if decision.changed:
-            for role in ROLES:
-                if decision.sizes[role] != current[role]:
-                    self.backend.scale(role, decision.sizes[role])
+        if decision.changed:  # together: one pool down and the other up is a role flip, not a drain and a start
+            self.backend.scale({r: decision.sizes[r] for r in ROLES if decision.sizes[r] != current[r]})
         held = any("hold" in r or "cooldown" in r for r in decision.reasons)
         if decision.changed or held:
             sizes = {r: decision.sizes[r] for r in ROLES}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from cluster.cluster import Cluster
 
 ROLES = ("prefill", "decode", "colocated")
+FLIPPABLE = ("prefill", "decode")  # the roles a worker flips between in place
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,16 @@ class Backend(Protocol):
         free_blocks, num_blocks, kv_usage, draining, ...}]}."""
         ...
 
-    def scale(self, role: str, replicas: int) -> None: ...
+    def scale(self, sizes: Mapping[str, int]) -> None:
+        """Set these pools' desired sizes together (one write: no round sees half of a change)."""
+        ...
 
     def drain(self, worker_id: str) -> bool:
         """Drain one worker; False if no such worker."""
+        ...
+
+    def flip(self, worker_id: str, role: str) -> bool:
+        """Turn an up prefill or decode worker into `role` in place; False if no such worker is up."""
         ...
 
     def ready(self) -> bool:
@@ -125,11 +132,14 @@ class ClusterBackend:
     def status(self) -> dict[str, Any]:
         return self.cluster.status()
 
-    def scale(self, role: str, replicas: int) -> None:
-        self.cluster.scale(role, replicas)
+    def scale(self, sizes: Mapping[str, int]) -> None:
+        self.cluster.resize(sizes)
 
     def drain(self, worker_id: str) -> bool:
         return self.cluster.drain(worker_id)
+
+    def flip(self, worker_id: str, role: str) -> bool:
+        return self.cluster.flip(worker_id, role)
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.cluster.state.emit(kind, **fields)

@@ -223,6 +223,11 @@ class ScaleBody(_Body):
     force: bool = False  # even if it leaves no pool that can serve
 
 
+class FlipBody(_Body):
+    role: str
+    force: bool = False  # even if it leaves no pool that can serve
+
+
 class RebalanceBody(_Body):
     prefill: int = Field(ge=0)
     decode: int = Field(ge=0)

@@ -126,6 +126,10 @@ def test_desired_sizes(state: ClusterState) -> None:
         with pytest.raises(ValueError):
             state.set_desired(role, n)  # type: ignore[arg-type]
     assert state.desired() == {"prefill": 2, "decode": 3, "colocated": 0}
+    state.set_desired({"prefill": 1, "decode": 4})  # a rebalance: one write
+    with pytest.raises(ValueError):
+        state.set_desired({"prefill": 3, "decode": -1})  # nothing of a bad change is written
+    assert state.desired() == {"prefill": 1, "decode": 4, "colocated": 0}
 
 
 def test_longest_prefix(state: ClusterState) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,15 +103,25 @@ class FakeBackend:
         self._control()
         return {"desired": dict(self.desired), "workers": [dict(w) for w in self.workers]}
 
-    def scale(self, role: str, replicas: int) -> None:
+    def scale(self, sizes: Mapping[str, int]) -> None:
         self._control()
-        self.desired[role] = replicas
+        self.desired.update(sizes)
 
     def drain(self, worker_id: str) -> bool:
         self._control()
         for w in self.workers:
             if w["worker_id"] == worker_id:
                 w["state"] = "draining"
+                return True
+        return False
+
+    def flip(self, worker_id: str, role: str) -> bool:
+        self._control()
+        for w in self.workers:
+            if w["worker_id"] == worker_id and w["state"] == "up":
+                self.desired[w["role"]] -= 1
+                self.desired[role] = self.desired.get(role, 0) + 1
+                w["state"], w["role"] = "flipping", role
                 return True
         return False
 

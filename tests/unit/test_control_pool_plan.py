@@ -82,3 +82,38 @@ def test_unknown_sizes_change_no_pool_but_health_still_counts() -> None:
 def test_limits_are_validated(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Limits(**bad)
+
+
+def flipping(
+    wid: str, role: str, to: str, idle: bool = False, silent_s: float = 0.5, dead: bool = False
+) -> WorkerHealth:
+    return WorkerHealth(wid, role, "flipping", 100, silent_s, dead=dead, idle=idle, flip_to=to)
+
+
+def test_a_long_pool_flips_an_up_worker_to_the_short_one_instead_of_a_drain_and_a_start() -> None:
+    workers = [up("p0", "prefill", age_s=50), up("p1", "prefill", age_s=10), up("d0")]
+    plan = decide(workers, {"prefill": 1, "decode": 2}, LIMITS)
+    assert plan.flip == (("p1", "decode"),)  # the newest, as a drain would pick
+    assert plan.drain == () and plan.start == ()
+    two = decide([*workers, up("p2", "prefill", age_s=5)], {"prefill": 1, "decode": 2}, LIMITS)
+    assert two.flip == (("p2", "decode"),) and two.drain == ("p1",), "one flip covers the one short worker"
+
+
+def test_only_an_up_prefill_or_decode_worker_flips() -> None:
+    plan = decide([starting("p0", "prefill"), up("p1", "prefill"), up("d0")], {"prefill": 1, "decode": 2}, LIMITS)
+    assert plan.drain == ("p0",) and plan.start == ("decode",), "a loading worker is dropped, not flipped"
+    plan = decide([up("c0", "colocated"), up("d0")], {"colocated": 0, "decode": 2}, LIMITS)
+    assert plan.flip == () and plan.drain == ("c0",) and plan.start == ("decode",)
+
+
+def test_a_flipping_worker_counts_in_its_new_pool_is_never_removed_and_turns_once_idle() -> None:
+    busy = flipping("p0", "prefill", "decode", silent_s=10_000)
+    plan = decide([busy, up("d0"), up("p1", "prefill")], {"prefill": 1, "decode": 2}, LIMITS)
+    assert plan == RoundPlan(), "nothing starts for the pool it is flipping to, nothing drains it"
+    done = flipping("p0", "prefill", "decode", idle=True)
+    assert decide([done, up("d0"), up("p1", "prefill")], {"prefill": 1, "decode": 2}, LIMITS).turn == ("p0",)
+    dead = flipping("p0", "prefill", "decode", dead=True)
+    plan = decide([dead, up("d0"), up("p1", "prefill")], {"prefill": 1, "decode": 2}, LIMITS)
+    assert plan.remove == (Removal("p0", "died"),) and plan.start == ("decode",)
+    plan = decide([busy, up("d0"), up("d1", age_s=10), up("p1", "prefill")], {"prefill": 1, "decode": 2}, LIMITS)
+    assert plan.drain == ("d1",), "a long pool drains an up worker, never the flip under way"

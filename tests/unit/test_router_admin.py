@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from cluster.state import StateUnavailable
 from engine.tokenizer import Tokenizer
-from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client
+from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, worker
 
 
 @pytest.fixture
@@ -49,6 +49,27 @@ def test_scaling_away_every_pool_that_can_serve_needs_force(backend: FakeBackend
         "decode": 2,
     }
     assert c.post("/admin/rebalance", json={"prefill": 1, "decode": 0, "force": "yes"}).status_code == 400
+
+
+def test_a_role_flip_is_checked_then_handed_to_the_cluster(backend: FakeBackend) -> None:
+    backend.workers.append(worker("c0", "colocated"))
+    c = admin(backend)
+    refused(c.post("/admin/workers/p0/role", json={"role": "decode"}), "role")  # the only prefill worker
+    assert backend.desired == {"prefill": 1, "decode": 1}
+    bad = c.post("/admin/workers/p0/role", json={"role": "colocated"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_role"
+    assert c.post("/admin/workers/nope/role", json={"role": "decode"}).status_code == 404
+    r = c.post("/admin/workers/c0/role", json={"role": "decode"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "cannot_flip"
+    same = c.post("/admin/workers/d0/role", json={"role": "decode"})
+    assert same.json() == {"worker_id": "d0", "role": "decode", "state": "up"}, "already that role: nothing to do"
+    backend.workers.append(worker("p1", "prefill"))
+    backend.desired["prefill"] = 2
+    r = c.post("/admin/workers/p1/role", json={"role": "decode"})
+    assert r.status_code == 200 and r.json() == {"worker_id": "p1", "role": "decode", "state": "flipping"}
+    assert backend.desired == {"prefill": 1, "decode": 2}
+    r = c.post("/admin/workers/p0/role", json={"role": "decode", "force": True})
+    assert r.status_code == 200 and backend.desired == {"prefill": 0, "decode": 3}
 
 
 OUTAGES = [

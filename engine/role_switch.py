@@ -1,0 +1,40 @@
+"""A role flip's engine half: the same weights and KV cache (prefix cache included) serve
+another role, with that role's batching limits and speculation. No reload, no copy.
+
+Only an idle engine switches (no request, hand-off or reservation holds a block), and only to a
+config that differs in what can change in place; anything else needs a new engine."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.speculation import Speculator
+
+# What switching in place can change; any other field differing needs another engine.
+IN_PLACE_FIELDS = frozenset({"role", "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens"})
+
+
+def check_switch(engine: Engine, config: EngineConfig) -> None:
+    """Raise ValueError if `engine` holds any request or `config` needs a reload."""
+    if engine.has_unfinished() or engine.kv.num_requests:
+        raise ValueError(f"the engine holds {engine.kv.num_requests} requests' blocks: drain it first")
+    reload = [f.name for f in fields(EngineConfig) if f.name not in IN_PLACE_FIELDS
+              and getattr(config, f.name) != getattr(engine.config, f.name)]  # fmt: skip
+    if reload:
+        raise ValueError(f"{', '.join(reload)} differ: a role flip keeps the engine, these need a new one")
+
+
+def switch_role(engine: Engine, config: EngineConfig) -> None:
+    """Make `engine` serve as `config` says. Call it on the engine's loop (the lock held).
+    Raises ValueError as `check_switch`."""
+    check_switch(engine, config)
+    engine.config = config
+    engine.scheduler.max_num_seqs = config.max_num_seqs
+    engine.scheduler.max_num_batched_tokens = config.max_num_batched_tokens
+    engine.speculator = None
+    if config.speculative and config.role != "prefill":
+        engine.speculator = Speculator(
+            engine.kv, config.num_speculative_tokens, engine.max_model_len, config.speculative
+        )
