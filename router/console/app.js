@@ -65,6 +65,16 @@ function renderPools(pools) {
     drain.disabled = !token() || w.state !== "up";
     drain.addEventListener("click", () => admin(`/admin/workers/${encodeURIComponent(w.worker_id)}/drain`));
     td.append(drain);
+    const other = { prefill: "decode", decode: "prefill" }[w.role];
+    if (other) {  // a role flip in place: the worker drains, then serves the other pool
+      const flip = document.createElement("button");
+      flip.textContent = "→ " + other;
+      flip.className = "admin flip";
+      flip.disabled = !token() || w.state !== "up";
+      flip.addEventListener("click", () => admin(`/admin/workers/${encodeURIComponent(w.worker_id)}/role`,
+        { role: other }));
+      td.append(flip);
+    }
     tr.append(td);
     body.append(tr);
   }

@@ -1,6 +1,6 @@
 """The operator console in a real browser (Playwright driving Debian's headless Chromium, nothing
 downloaded) on a live 1P+1D cluster: it lists the workers with no console errors, scales and
-drains from the page with the admin token, updates its charts and waterfall under load, and
+drains and flips a worker's role from the page with the admin token, updates its charts and waterfall under load, and
 without the token is read-only while the admin API refuses."""
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def test_lists_the_workers_and_is_read_only_without_the_token(page: Page, url: s
     for button in ("#scale", "#rebalance"):
         expect(page.locator(button)).to_be_disabled()
     expect(page.locator("button.drain").first).to_be_disabled()
+    expect(page.locator("button.flip").first).to_be_disabled()
     status = page.evaluate(
         """async () => (await fetch('/admin/pools/decode', {method: 'POST',
              headers: {'Content-Type': 'application/json'}, body: JSON.stringify({replicas: 3})})).status"""
@@ -129,6 +130,19 @@ def test_scale_and_drain_from_the_page(page: Page) -> None:
 
     until(drained, 60, "the drain on the page")
     expect(page.locator('#events li[data-kind="worker_draining"]')).to_have_count(1, timeout=30_000)
+
+
+def test_a_role_flip_from_the_page(page: Page) -> None:
+    page.fill("#token", TOKEN)
+    page.click("#use-token")
+    until(lambda: rows(page, "decode") == 2, 180, "two decode workers up")
+    row = page.locator('#workers tbody tr[data-role="decode"][data-state="up"]').first
+    worker = row.get_attribute("data-worker")
+    row.locator("button.flip").click()
+    expect(page.locator("#message")).to_contain_text("role: done")
+    until(lambda: page.locator(f'#workers tbody tr[data-worker="{worker}"][data-role="prefill"][data-state="up"]')
+          .count() == 1, 120, "the flipped worker up as prefill on the page")  # fmt: skip
+    expect(page.locator('#events li[data-kind="worker_flipped"]')).to_have_count(1, timeout=30_000)
 
 
 def test_charts_and_waterfall_follow_the_load(page: Page, url: str) -> None:
