@@ -34,12 +34,13 @@ class DecodeWorker(WorkerBase):
         lease_s: float = 10.0,
         tls: KVTLSConfig | None = None,
         core: WorkerBase | None = None,
+        in_place: bool = False,
     ) -> None:
         """`tls`: serve the KV endpoint over TLS (mutual with a CA file); None: plaintext.
-        `core`: a role flip's (engine/worker_base.py)."""
+        `core`: a role flip's (engine/worker_base.py). `in_place`: keep the cache in /dev/shm,
+        for same-host prefill workers on `--transport shm` to write it in place."""
         super().__init__(worker_id, model_path, config, core)
-        # its cache in /dev/shm: a same-host prefill worker (--transport shm) writes it in place
-        self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s, in_place=True)
+        self.receiver = KVReceiver(self.engine, self.loop.lock, lease_s=lease_s, in_place=in_place)
         self.server = KVTransferServer(self.receiver, host=host, tls=tls).start()
         self.endpoint = self.server.endpoint
         clients = KVClients(lambda endpoint: KVTransferClient(endpoint, "grpc", tls=tls))

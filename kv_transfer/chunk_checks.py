@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.kv_codec import valid_scales
+from engine.paged_cache import PagedKVCache
 from kv_transfer.errors import ChunkRejected
 from kv_transfer.payload import PayloadReader
 from kv_transfer.wire import CODED, DTYPES, checksum, row_width
@@ -63,3 +64,10 @@ def read_payload(
 def check_scales(h: pb.KVChunkHeader, data: torch.Tensor) -> None:
     if h.dtype in CODED and not valid_scales(data):
         raise ChunkRejected("bad_scales", "a KV scale is negative or not finite")
+
+
+def check_written(h: pb.KVChunkHeader, cache: PagedKVCache, blocks: list[int]) -> None:
+    """An in-place chunk, which the sender wrote itself: a coded cache's scales, read where they
+    landed (nothing is read of a plain cache). Raises ChunkRejected."""
+    if h.dtype in CODED:
+        check_scales(h, cache.read_blocks(blocks, slice(h.layer_start, h.layer_end)))

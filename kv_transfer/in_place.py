@@ -32,7 +32,6 @@ import os
 import secrets
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -198,12 +197,12 @@ class Fence:
 
 
 class CacheMaps:
-    """The receivers' caches this sender writes into, each mapped on first use and kept (a
-    decode worker's cache lives as long as the worker; the `keep` most recent stay mapped)."""
+    """The receivers' caches this process writes into, each mapped on first use and kept while
+    its receiver lives: a new mapping first drops those whose receiver is gone (its lock is
+    free), so no dead decode worker's memory stays held here. One per process: `CACHES`."""
 
-    def __init__(self, keep: int = 16) -> None:
-        self.keep = keep
-        self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+    def __init__(self) -> None:
+        self._maps: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def get(self, res: pb.ReserveResponse) -> torch.Tensor | None:
@@ -215,7 +214,6 @@ class CacheMaps:
             return None
         with self._lock:
             if name in self._maps:
-                self._maps.move_to_end(name)
                 return self._maps[name]
         L = res.layout
         shape = (L.num_layers, 2, res.cache_num_blocks, L.block_size, L.num_kv_heads, row_width(L))
@@ -235,14 +233,17 @@ class CacheMaps:
             return None
         kv = torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
         with self._lock:
+            for gone in [n for n in self._maps if not held(n, CACHE_PREFIX)]:
+                del self._maps[gone]  # unmapped when its last view goes
             self._maps[name] = kv
-            while len(self._maps) > self.keep:
-                self._maps.popitem(last=False)  # unmapped when the last view goes
         return kv
 
-    def close(self) -> None:
+    def names(self) -> list[str]:
         with self._lock:
-            self._maps.clear()
+            return sorted(self._maps)
+
+
+CACHES = CacheMaps()
 
 
 class InPlaceWriter:

@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from kv_transfer.chunk_checks import check_place, check_scales, read_payload
+from kv_transfer.chunk_checks import check_place, check_written, read_payload
 from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
 from kv_transfer.in_place import Fence, SharedCache, is_holder
 from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
@@ -192,7 +192,7 @@ class KVReceiver:
                 if data is None:  # the sender wrote the blocks itself
                     if not r.holder:
                         raise ChunkRejected("bad_transport", "an in-place chunk without a claim")
-                    check_scales(header, self.engine.cache.read_blocks(blocks, layers))
+                    check_written(header, self.engine.cache, blocks)
             except ChunkRejected as e:
                 self._drop(r, f"rejected chunk: {e}")
                 raise

@@ -18,7 +18,7 @@ import grpc
 
 from kv_transfer.collective import CollectiveLink, CollectiveWriter
 from kv_transfer.errors import PeerUnavailable
-from kv_transfer.in_place import CacheMaps, InPlaceWriter, holder
+from kv_transfer.in_place import CACHES, InPlaceWriter, holder
 from kv_transfer.payload import InbandWriter, PayloadWriter, ShmSegmentPool, ShmWriter
 from kv_transfer.push import MAX_QUEUED_BYTES, STALL_S, KVPush
 from kv_transfer.security import SECRET_HEADER, KVTLSConfig
@@ -63,7 +63,7 @@ class KVTransferClient:
         self.max_queued_bytes = max_queued_bytes
         self._secret = secret
         self._shm_pool = ShmSegmentPool()
-        self._caches = CacheMaps() if in_place else None
+        self._caches = CACHES if in_place else None
         self._lock = threading.Lock()
         self._releasing: set[grpc.Future] = set()
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-open")
@@ -174,8 +174,6 @@ class KVTransferClient:
         self._opener.shutdown(wait=False)
         self._channel.close()
         self._shm_pool.close()
-        if self._caches is not None:
-            self._caches.close()
 
 
 class KVClients:

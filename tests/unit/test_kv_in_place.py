@@ -17,7 +17,7 @@ import torch
 
 from engine.model import LlamaModel
 from kv_transfer.errors import ChunkRejected, KVTransferError
-from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, InPlaceWriter, SharedCache, copy_blocks, held
+from kv_transfer.in_place import CACHE_PREFIX, CACHES, HOLDER_PREFIX, InPlaceWriter, SharedCache, copy_blocks, held
 from kv_transfer.payload import SHM_DIR, ShmWriter
 from kv_transfer.sender import KVTransferClient
 from kv_transfer.wire import frame
@@ -25,6 +25,15 @@ from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.kv_harness import Pair, make_pair, wait_for
 
 NUM_BLOCKS = 256
+SHARED_CACHE_CHILD = """
+import sys, time, torch
+from engine.paged_cache import PagedKVCache
+from kv_transfer.in_place import SharedCache
+from tests.unit.tiny import TINY
+shared = SharedCache.share(PagedKVCache(TINY, 8, 4, torch.float32))
+print(shared.name, flush=True)
+time.sleep(600)
+"""
 
 
 @pytest.fixture
@@ -225,3 +234,23 @@ def test_the_shared_cache_file_goes_with_its_receiver(tiny_model: LlamaModel) ->
     p.close()
     shared.close()
     assert not os.path.exists(path)
+
+
+def test_a_dead_receivers_cache_is_unmapped_by_the_next_mapping_and_swept(pair: Pair) -> None:
+    child = subprocess.Popen([sys.executable, "-c", SHARED_CACHE_CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        name = child.stdout.readline().strip()
+        layout = pair.receiver.layout
+        theirs = pb.ReserveResponse(cache_shm_name=name, cache_num_blocks=8, layout=layout)
+        assert CACHES.get(theirs) is not None and name in CACHES.names()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        ours = pair.receiver.reserve("r", 4)
+        assert CACHES.get(ours) is not None
+        assert name not in CACHES.names(), "a dead receiver's cache stayed mapped"
+        SharedCache.share(pair.prefill.cache)
+        assert name not in os.listdir(SHM_DIR), "nor did its file stay in /dev/shm"
+    finally:
+        child.kill()
+        child.wait()
