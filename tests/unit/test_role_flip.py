@@ -51,7 +51,7 @@ def test_workers_flip_roles_keeping_their_engines_and_serve_the_same_tokens(mode
         for w in (p, d):
             w.drain()
             w.close_role()
-        d2 = DecodeWorker("w1", model_dir, replace(CFG, role="decode"), core=p)
+        d2 = DecodeWorker("w1", model_dir, replace(CFG, role="decode"), core=p, in_place=True)  # rehomes the cache
         p2 = PrefillWorker("w2", model_dir, replace(CFG, role="prefill"), core=d)
         live = [p2, d2, c]
         assert (d2.engine, p2.engine) == engines, "nothing reloaded"
