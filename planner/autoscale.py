@@ -12,6 +12,10 @@ sizes to set now, with the reasons. Plain values in and out: no clock, no Ray, n
                attainment is under target (hysteresis: a dip in traffic does not shed workers)
     cooldown   no change within `cooldown_s` of the last one (a new worker needs time to load
                and to show in the window)
+    trade      with `max_pd` (fixed hardware: prefill + decode at most that many), a pool
+               grows by taking a worker from the other, whose SLO must be met and which must
+               stay within its min; the pool manager then flips that worker in place. The
+               giving pool does not wait out `down_after`: capacity moves, none is shed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Bounds:
     cooldown_s: float = 60.0
     down_after: int = 3  # windows in a row that plan lower before a pool shrinks
     target: float = 0.9  # attainment the SLOs ask for
+    max_pd: int | None = None  # prefill + decode workers at most (None: no limit)
 
     def __post_init__(self) -> None:
         if self.max_step < 1 or self.cooldown_s < 0 or self.down_after < 1 or not 0 < self.target <= 1:
@@ -103,6 +108,10 @@ def decide(
         sizes[role] = have + step
         reasons.append(f"{role}: {have} -> {have + step} (planned {want.get(role, 0)}, bounds "
                        f"{bounds.min.get(role, 0)}..{bounds.max.get(role, '-')})")  # fmt: skip
+    if bounds.max_pd is not None:
+        sizes.setdefault("prefill", 0)
+        sizes.setdefault("decode", 0)
+        _trade(sizes, current, _short_roles(current, window, bounds) if missing else [], bounds, reasons)
     changed = sizes != dict(current)
     if changed and memory.last_change_s is not None and now_s - memory.last_change_s < bounds.cooldown_s:
         wait = bounds.cooldown_s - (now_s - memory.last_change_s)
@@ -115,6 +124,30 @@ def decide(
     else:
         memory = replace(memory, lower_in_a_row=lower)
     return Decision(sizes, tuple(reasons), changed), memory
+
+
+def _trade(sizes: dict[str, int], current: Mapping[str, int], short: list[str], bounds: Bounds,
+           reasons: list[str]) -> None:  # fmt: skip
+    """Keep prefill + decode within `bounds.max_pd` where a pool grows: the other gives a worker
+    (one flips) if its SLO is met and it stays within its min, else the growth is held."""
+    assert bounds.max_pd is not None
+    for grow, give in (("decode", "prefill"), ("prefill", "decode")):
+        while (
+            sizes.get(grow, 0) > current.get(grow, 0)
+            and sizes.get("prefill", 0) + sizes.get("decode", 0) > bounds.max_pd
+        ):
+            if (
+                give not in short
+                and sizes.get(give, 0) > bounds.min.get(give, 0)
+                and sizes.get(give, 0) >= current.get(give, 0)
+            ):
+                sizes[give] -= 1
+                reasons.append(f"{give}: {sizes[give] + 1} -> {sizes[give]}, a worker flips to {grow} "
+                               f"(prefill + decode at most {bounds.max_pd})")  # fmt: skip
+            else:
+                sizes[grow] -= 1
+                reasons.append(f"{grow}: held at {sizes[grow]}, prefill + decode at most {bounds.max_pd} and "
+                               f"{give} cannot give one")  # fmt: skip
 
 
 def _short_roles(current: Mapping[str, int], window: Window, bounds: Bounds) -> list[str]:

@@ -83,3 +83,25 @@ def test_a_missed_slo_adds_to_its_pool_when_the_plan_asks_no_more() -> None:
 def test_an_idle_window_changes_nothing_without_a_plan() -> None:
     d, _ = decide(0, PD, None, Window(60, 0, 1.0, 1.0), BOUNDS, Memory())
     assert not d.changed
+
+
+def test_on_fixed_hardware_a_pool_grows_by_taking_a_worker_from_the_other() -> None:
+    fixed = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=3, cooldown_s=60)
+    two_p = {"prefill": 2, "decode": 1, "colocated": 0}
+    d, _ = decide(0, two_p, None, SLOW_DECODE, fixed, Memory())
+    assert d.changed and d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}, "one prefill worker flips"
+    assert any("a worker flips to decode" in r for r in d.reasons)
+    slow_both = Window(60, 120, 0.5, 0.5)
+    d, _ = decide(0, two_p, None, slow_both, fixed, Memory())
+    assert not d.changed, "a pool whose own SLO is missed gives nothing"
+    assert any("decode: held at 1" in r for r in d.reasons)
+    one_p = {"prefill": 1, "decode": 2, "colocated": 0}
+    slow_first = Window(60, 120, 0.5, 1.0)
+    d, _ = decide(0, one_p, None, slow_first, fixed, Memory())
+    assert d.sizes == {"prefill": 2, "decode": 1, "colocated": 0}, "and back, with no down_after wait"
+    d, _ = decide(0, {"prefill": 1, "decode": 1, "colocated": 0}, None, SLOW_DECODE, fixed, Memory())
+    assert d.sizes["decode"] == 2, "under the limit a pool simply grows"
+    d, _ = decide(0, one_p, None, SLOW_DECODE, fixed, Memory())
+    assert not d.changed, "decode is at its max"
+    d, _ = decide(0, two_p, {"prefill": 1, "decode": 2}, GOOD, fixed, Memory())
+    assert d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}, "a plan that trades a worker does so at once"

@@ -102,7 +102,8 @@ def test_profile_planner_sizes_from_the_simulator(smollm_tokenizer: Tokenizer) -
 
 
 def test_flags_are_checked() -> None:
-    assert parse_bounds("prefill=1..4, decode=2..8") == ({"prefill": 1, "decode": 2}, {"prefill": 4, "decode": 8})
+    assert parse_bounds("prefill=1..4, decode=2..8") == ({"prefill": 1, "decode": 2}, {"prefill": 4, "decode": 8}, None)
+    assert parse_bounds("prefill=1..2,decode=1..2,pd=3")[2] == 3
     for bad in ("prefill=4..1", "gpu=1..2", "prefill=1", ""):
         with pytest.raises(ValueError):
             parse_bounds(bad)
