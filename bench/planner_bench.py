@@ -17,7 +17,9 @@ validation  For each mix and system of a compare.json (colocated 1 worker x 2 th
 scale       1,000 workers (500 prefill H100 + 500 decode H200, a Llama-3.1-8B roofline) and 1M
             chat requests: the wall time of one simulation (--no-scale skips it).
 
-The autoscaler's load step (recovery_s_*) is not here yet.
+load step  With --load-step: bench/load_step.py (the prefill-heavy to decode-heavy step, static
+            and autoscaled on the same hardware; recovery_s_static, recovery_s_autoscale, and
+            the attainment timelines as a plot). --no-validation skips the replay.
 """
 
 from __future__ import annotations
@@ -171,9 +173,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-1t", help="`tandem profile --threads 1` JSON (default: measure it)")
     ap.add_argument("--profile-2t", help="`tandem profile --threads 2` JSON (default: measure it)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,000-worker, 1M-request timing")
+    ap.add_argument("--load-step", action="store_true", help="also the autoscaler's load step (live, minutes)")
+    ap.add_argument("--no-validation", action="store_true", help="skip the replay of a compare")
+    ap.add_argument("--out", default="out/bench/planner", help="directory for the load step's plot")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="tandem-bench-planner-"))
+    report: dict[str, Any] = {"points": [], "sim_error_max": None, "attainment_error_mean": None,
+                              "recovery_s_static": None, "recovery_s_autoscale": None}  # fmt: skip
+    rows: list[Row] = []
+    if not args.no_validation:
+        rows = _validate(args, out, report)
+    if args.load_step:
+        from bench.load_step import measure
+        from bench.plots import attainment_timeline
+
+        step = measure()
+        report |= step
+        lines = {m: step[f"timeline_{m}"] for m in ("static", "autoscale")}
+        report["files"] = [str(attainment_timeline(lines, step["step_s"], Path(args.out) / "load_step.png"))]
+    if not args.no_scale:
+        report["sim_1000_workers_s"] = scale_seconds()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    _print(rows, report)
+    return 0
+
+
+def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> list[Row]:
     if args.compare:
         compare = json.loads(Path(args.compare).read_text())
     else:
@@ -187,23 +215,34 @@ def main(argv: list[str] | None = None) -> int:
                "error": r.error, "prefill_scale": r.prefill_scale, "decode_scale": r.decode_scale}
               for r in rows]  # fmt: skip
     diffs = [abs(m - s) for r in rows for _, m, s in r.attainment]
-    report: dict[str, Any] = {
-        "points": points,
-        "sim_error_max": max((r.error for r in rows), default=None),
-        "attainment_error_mean": statistics.fmean(diffs) if diffs else None,
-    }
-    if not args.no_scale:
-        report["sim_1000_workers_s"] = scale_seconds()
-    if args.json:
-        print(json.dumps(report))
-        return 0
+    report["points"] = points
+    report["sim_error_max"] = max((r.error for r in rows), default=None)
+    report["attainment_error_mean"] = statistics.fmean(diffs) if diffs else None
+    return rows
+
+
+def _print(rows: list[Row], report: dict[str, Any]) -> None:
     print(f"{'mix':<16}{'system':<18}{'measured req/s':>16}{'simulated':>12}{'error':>8}"
           f"{'prefill x':>11}{'decode x':>10}")  # fmt: skip
     for r in rows:
         print(f"{r.mix:<16}{r.system:<18}{r.measured:>16.3f}{r.simulated:>12.3f}{r.error:>8.0%}"
               f"{r.prefill_scale:>11.2f}{r.decode_scale:>10.2f}")  # fmt: skip
-    print(f"largest error: {report['sim_error_max']:.0%} (target <= 25%); attainment, simulated vs measured, "
-          f"differs by {report['attainment_error_mean']:.1%} a point on average ({len(diffs)} points)")  # fmt: skip
+    if rows:
+        n = sum(len(r.attainment) for r in rows)
+        print(f"largest error: {report['sim_error_max']:.0%} (target <= 25%); attainment, simulated vs measured, "
+              f"differs by {report['attainment_error_mean']:.1%} a point on average ({n} points)")  # fmt: skip
+    if "step_slo" in report:
+        slo = report["step_slo"]
+        print(f"load step at {report['step_s']:.0f} s (SLO TTFT {slo['ttft_s']:.2f} s, "
+              f"TPOT {slo['tpot_s'] * 1e3:.0f} ms): "
+              f"recovery to >= 90% static {_secs(report['recovery_s_static'])}, "
+              f"autoscaled {_secs(report['recovery_s_autoscale'])}; plot {report['files'][0]}")  # fmt: skip
+        for m in ("static", "autoscale"):
+            line = " ".join("-" if a is None else f"{a:.0%}" for _, a in report[f"timeline_{m}"])
+            print(f"  {m:<10}{line}")
     if "sim_1000_workers_s" in report:
         print(f"1,000 workers, 1M requests simulated in {report['sim_1000_workers_s']:.1f} s (target < 60 s)")
-    return 0
+
+
+def _secs(v: float | None) -> str:
+    return "not within the run" if v is None else f"{v:.0f} s"

@@ -70,6 +70,25 @@ def attainment_vs_rate(
     return _save(fig, path)
 
 
+def attainment_timeline(
+    runs: Mapping[str, Sequence[tuple[float, float | None]]], step_s: float, path: str | Path, target: float = 0.9
+) -> Path:
+    """One attainment-over-time line per run (window start, attainment), the step as a vertical line."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name, line in runs.items():
+        pts = [(t, a) for t, a in line if a is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.axhline(target, color="grey", linestyle="--", label=f"{target:.0%} target")
+    ax.axvline(step_s, color="black", linestyle=":", label="load step")
+    ax.set_xlabel("request sent at (s)")
+    ax.set_ylabel("SLO attainment of the window")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
 def _save(fig: Figure, path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -35,3 +35,16 @@ def test_replay_simulates_each_measured_point(smollm_tokenizer: Tokenizer) -> No
     assert all(r.simulated == 2.0 and r.error == 0.0 for r in fast)  # every point meets the SLO
     slow = replay(compare_json(), {1: profile(50.0), 2: profile(50.0)}, smollm_tokenizer)
     assert all(r.simulated == 0.0 and r.error == 1.0 for r in slow)  # none does
+
+
+def test_the_load_steps_timeline_and_recovery_time() -> None:
+    from bench.load_step import recovery_s, timeline
+
+    sent = [(t, True) for t in (0.5, 1, 6, 7)] + [(11, False), (12, False), (16, True), (17, False)]
+    sent += [(21, True), (22, True), (26, True)]
+    line = timeline(sent, 5.0)
+    assert line == [(0.0, 1.0), (5.0, 1.0), (10.0, 0.0), (15.0, 0.5), (20.0, 1.0), (25.0, 1.0)]
+    assert recovery_s(line, step_s=10.0) == 10.0, "from the step to the window from which all meet"
+    assert recovery_s(line, step_s=20.0) == 0.0, "nothing missed after the step"
+    assert recovery_s([*line, (30.0, None), (35.0, 0.5)], step_s=10.0) is None, "the run ends missing"
+    assert recovery_s([(0.0, 1.0), (5.0, None), (10.0, 1.0)], step_s=5.0) == 5.0, "empty windows are skipped"
