@@ -267,6 +267,8 @@ class InPlaceWriter:
         `data` itself ([layers, 2, blocks, ...]) or, with `src`, those blocks of `data`."""
         if self._closed:
             raise RuntimeError("the in-place writer is closed")
+        if data.dtype != self.target.dtype:  # copy_ would convert where the receiver checks
+            raise ValueError(f"KV of {data.dtype} for a cache of {self.target.dtype}")
         copy_blocks(self.target[header.layer_start : header.layer_end], header.block_ids, data, src)
         header.transport = "in_place"
 

@@ -254,3 +254,17 @@ def test_a_dead_receivers_cache_is_unmapped_by_the_next_mapping_and_swept(pair: 
     finally:
         child.kill()
         child.wait()
+
+
+def test_kv_of_another_dtype_fails_the_push_before_a_byte_lands(pair: Pair) -> None:
+    client = pair.client("shm")
+    res, writer = claimed_push(client, "r", 8)
+    before = pair.decode.cache.kv.clone()
+    with pytest.raises(ValueError, match="bfloat16"):
+        writer.write(pb.KVChunkHeader(layer_start=0, layer_end=1, block_ids=[0, 1]), torch.zeros(1, 2, 2, 4, 2, 16,
+                     dtype=torch.bfloat16), None)  # fmt: skip
+    assert torch.equal(pair.decode.cache.kv, before)
+    assert client.release("r", res.transfer_token, "the sender gives up")
+    assert pair.decode.kv.num_free_blocks == NUM_BLOCKS
+    pair.receiver.check_integrity()
+    client.close()
