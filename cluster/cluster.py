@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -123,8 +123,7 @@ class Cluster:
         self.resize({role: replicas})
 
     def resize(self, sizes: Mapping[str, int]) -> None:
-        """Set pools' desired sizes in one write: a rebalance that shrinks one P/D pool and grows
-        the other is seen whole by the pool manager, which flips a worker instead."""
+        """Pools' desired sizes in one write: the pool manager sees a rebalance whole (and flips)."""
         self.state.set_desired(sizes)
         for role, replicas in sizes.items():
             self.state.emit("scaled", role=role, replicas=replicas)
@@ -299,6 +298,4 @@ class Cluster:
 
 
 def _role_config(base: EngineConfig, role: str) -> EngineConfig:
-    from dataclasses import replace
-
     return replace(base, role={"prefill": "prefill", "decode": "decode"}.get(role, "both"))  # type: ignore[arg-type]

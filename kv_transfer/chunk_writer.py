@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer.in_place import InPlaceWriter
+from kv_transfer.in_place_writer import InPlaceWriter
 from kv_transfer.payload import PayloadWriter, ShmWriter
 from kv_transfer.wire import checksum, frame, gather, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb

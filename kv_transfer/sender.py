@@ -18,7 +18,8 @@ import grpc
 
 from kv_transfer.collective import CollectiveLink, CollectiveWriter
 from kv_transfer.errors import PeerUnavailable
-from kv_transfer.in_place import CACHES, InPlaceWriter, holder
+from kv_transfer.in_place import holder
+from kv_transfer.in_place_writer import CACHES, InPlaceWriter
 from kv_transfer.payload import InbandWriter, PayloadWriter, ShmSegmentPool, ShmWriter
 from kv_transfer.push import MAX_QUEUED_BYTES, STALL_S, KVPush
 from kv_transfer.security import SECRET_HEADER, KVTLSConfig

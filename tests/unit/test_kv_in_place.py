@@ -17,7 +17,8 @@ import torch
 
 from engine.model import LlamaModel
 from kv_transfer.errors import ChunkRejected, KVTransferError
-from kv_transfer.in_place import CACHE_PREFIX, CACHES, HOLDER_PREFIX, InPlaceWriter, SharedCache, copy_blocks, held
+from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, SharedCache, held
+from kv_transfer.in_place_writer import CACHES, InPlaceWriter, copy_blocks
 from kv_transfer.payload import SHM_DIR, ShmWriter
 from kv_transfer.sender import KVTransferClient
 from kv_transfer.wire import frame
