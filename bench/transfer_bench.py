@@ -37,6 +37,7 @@ from bench.transfer_ttft import TTFT_KEYS, TTFT_TOKENS, measure_ttft
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
+from kv_transfer.in_place_writer import InPlaceWriter
 from kv_transfer.sender import KVTransferClient
 
 MB = 1 << 20
@@ -109,6 +110,8 @@ def transfer_s(client: KVTransferClient, source: Engine, blocks: list[int], rid:
     res = client.reserve(rid, n_tokens)
     try:
         push = client.push(rid, res)
+        if isinstance(push.writer, InPlaceWriter):  # in serving its claim is answered while layer 0 computes
+            push.writer.wait_claimed(30)
         src, logical = torch.tensor(blocks), list(range(len(blocks)))
         t = time.perf_counter()
         for i in range(cache.num_layers):

@@ -4,6 +4,7 @@ another."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -85,6 +86,13 @@ class InPlaceWriter:
     def claimed(self) -> bool:
         """Whether chunks may go in place now (never blocks)."""
         return not self._closed and self._claim.done() and self._claim.exception() is None
+
+    def wait_claimed(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the claim's answer; whether chunks now go in place. For
+        callers whose first chunk is ready at once (a prefill's comes after its first layer)."""
+        with contextlib.suppress(Exception):
+            self._claim.result(timeout_s)
+        return self.claimed
 
     def write(self, header: pb.KVChunkHeader, data: torch.Tensor, src: torch.Tensor | None) -> None:
         """Copy one chunk into its destination blocks (header.block_ids, layers from the header):
