@@ -34,7 +34,7 @@ def check_place(
         raise ChunkRejected("bad_shape", f"shape {tuple(h.shape)}, expected {shape}")
     if h.payload_bytes != DTYPES[h.dtype].itemsize * torch.Size(shape).numel():
         raise ChunkRejected("bad_size", f"payload_bytes {h.payload_bytes} does not match shape {shape}")
-    if h.payload_bytes > max_chunk_bytes:
+    if h.payload_bytes > max_chunk_bytes and h.transport != "in_place":  # an in-place one carries no payload
         raise ChunkRejected("too_large", f"{h.payload_bytes} bytes in one chunk, at most {max_chunk_bytes}")
     return blocks, shape
 

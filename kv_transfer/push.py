@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from kv_transfer.chunk_writer import write_chunk
+from kv_transfer.chunk_writer import InPlaceHeaders, write_chunk
 from kv_transfer.errors import KVTransferError, TransferAborted, TransferTimeout
 from kv_transfer.payload import PayloadWriter
 from kv_transfer.stats import TransferStats
@@ -79,6 +79,7 @@ class KVPush:
         self._done = False
         self._error: KVTransferError | None = None
         self._writer_lock = threading.Lock()  # a payload is never written into a segment given back
+        self._in_place = InPlaceHeaders()  # the producer's alone
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -142,7 +143,7 @@ class KVPush:
                 raise ValueError(f"data holds {data.shape[0]} layers, not [{layer_start}, {layer_end})")
             dst = [self.reservation.block_ids[j] for j in logical_blocks]
             for lo, blocks, part in split(data, dst, self.reservation.max_chunk_bytes):
-                self._enqueue(self._frame(layer_start + lo, blocks, part))
+                self._send(self._frame(layer_start + lo, blocks, part))
         except Exception as e:
             self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
 
@@ -166,7 +167,7 @@ class KVPush:
             dst = [self.reservation.block_ids[j] for j in logical_blocks]
             layer_block_bytes = kv[:1, :, :1].numel() * kv.element_size()
             for ls, bs in chunk_spans(kv.shape[0], len(dst), layer_block_bytes, self.reservation.max_chunk_bytes):
-                self._enqueue(self._frame(layer_start + ls.start, dst[bs], kv[ls], src[bs]))
+                self._send(self._frame(layer_start + ls.start, dst[bs], kv[ls], src[bs]))
         except Exception as e:
             self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
 
@@ -180,9 +181,16 @@ class KVPush:
         except Exception as e:
             self._fail(as_transfer_error(e, f"send of {self.request_id!r}"))
 
-    def _frame(self, layer_start: int, blocks: list[int], data: torch.Tensor, src: torch.Tensor | None = None) -> bytes:
-        """One chunk's message: `data` itself, or (with `src`) its blocks `src`, [layers, 2,
-        len(src), block_size, kv_heads, head_dim], written the transport's way (chunk_writer.py)."""
+    def _send(self, messages: list[bytes]) -> None:
+        for m in messages:
+            self._enqueue(m)
+
+    def _frame(
+        self, layer_start: int, blocks: list[int], data: torch.Tensor, src: torch.Tensor | None = None
+    ) -> list[bytes]:
+        """One chunk written the transport's way (chunk_writer.py): `data` itself, or (with `src`)
+        its blocks `src`, [layers, 2, len(src), block_size, kv_heads, head_dim]. Returns the
+        messages to send now: its own, or (in place) held headers whose layers it no longer joins."""
         shape = tuple(data.shape) if src is None else (data.shape[0], 2, len(src), *data.shape[3:])
         header = pb.KVChunkHeader(
             request_id=self.request_id,
@@ -197,10 +205,12 @@ class KVPush:
         with self._writer_lock:  # the writer is not closed under it (a segment given back, a claim lifted)
             if self._error is not None:
                 raise self._error
-            message = write_chunk(self.writer, header, data, src)
+            inband = write_chunk(self.writer, header, data, src)
         self.bytes += header.payload_bytes
         self.chunks += 1
-        return message
+        if inband is None:
+            return [frame(h) for h in self._in_place.add(header)]
+        return [*(frame(h) for h in self._in_place.flush()), frame(header, inband)]
 
     def _enqueue(self, item: bytes | None) -> None:
         """Queue a message, opening the stream with the first. Raises the transfer's error, or
@@ -267,6 +277,8 @@ class KVPush:
                 if self._error is not None:
                     raise self._error
                 deadline = t + self.stall_s + self._queued_bytes / MIN_BYTES_PER_S
+            self._send([frame(h) for h in self._in_place.flush()])
+            with self._cv:
                 self._ending = True
             self._enqueue(frame(header))
             self._enqueue(None)

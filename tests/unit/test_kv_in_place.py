@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine.model import LlamaModel
+from kv_transfer.chunk_writer import HOLD_S, InPlaceHeaders
 from kv_transfer.errors import ChunkRejected, KVTransferError
 from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, SharedCache, held
 from kv_transfer.in_place_writer import CACHES, InPlaceWriter, copy_blocks
@@ -269,3 +270,22 @@ def test_kv_of_another_dtype_fails_the_push_before_a_byte_lands(pair: Pair) -> N
     assert pair.decode.kv.num_free_blocks == NUM_BLOCKS
     pair.receiver.check_integrity()
     client.close()
+
+
+def test_in_place_headers_that_continue_each_other_go_as_one() -> None:
+    now = [0.0]
+    held = InPlaceHeaders(lambda: now[0])
+
+    def layer(i: int, blocks: list[int]) -> pb.KVChunkHeader:
+        return pb.KVChunkHeader(layer_start=i, layer_end=i + 1, block_ids=blocks, shape=[1, 2, len(blocks)],
+                                payload_bytes=100 * len(blocks))  # fmt: skip
+
+    assert held.add(layer(0, [3, 4])) == [] and held.add(layer(1, [3, 4])) == []
+    now[0] = HOLD_S + 0.01
+    (merged,) = held.add(layer(2, [3, 4]))  # held too long: out it goes, liveness first
+    assert (merged.layer_start, merged.layer_end, merged.shape[0], merged.payload_bytes) == (0, 3, 3, 600)
+    assert held.add(layer(3, [3, 4])) == []
+    (out,) = held.add(layer(0, [5]))  # another chunk's blocks: the held one goes first
+    assert (out.layer_start, out.layer_end) == (3, 4)
+    (last,) = held.flush()
+    assert list(last.block_ids) == [5] and held.flush() == []
