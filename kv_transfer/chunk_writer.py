@@ -17,12 +17,29 @@ import torch
 
 from kv_transfer.in_place_writer import InPlaceWriter
 from kv_transfer.payload import PayloadWriter, ShmWriter
-from kv_transfer.wire import checksum, gather, tensor_bytes
+from kv_transfer.wire import DTYPE_NAMES, checksum, gather, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 
 # An in-place header waits at most this long for the next layers to join it: each chunk the
 # receiver takes renews its lease, so a slow prefill still sends one about this often.
 HOLD_S = 0.2
+
+
+def chunk_header(
+    request_id: str, token: str, layer_start: int, blocks: list[int], data: torch.Tensor, src: torch.Tensor | None
+) -> pb.KVChunkHeader:
+    """The header of a chunk of `data` ([layers, 2, blocks, ...]), or with `src`, of its blocks `src`."""
+    shape = tuple(data.shape) if src is None else (data.shape[0], 2, len(src), *data.shape[3:])
+    return pb.KVChunkHeader(
+        request_id=request_id,
+        transfer_token=token,
+        layer_start=layer_start,
+        layer_end=layer_start + data.shape[0],
+        block_ids=blocks,
+        dtype=DTYPE_NAMES[data.dtype],
+        shape=list(shape),
+        payload_bytes=torch.Size(shape).numel() * data.element_size(),
+    )
 
 
 def write_chunk(

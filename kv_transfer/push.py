@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from kv_transfer.chunk_writer import InPlaceHeaders, write_chunk
+from kv_transfer.chunk_writer import InPlaceHeaders, chunk_header, write_chunk
 from kv_transfer.errors import KVTransferError, TransferAborted, TransferTimeout
 from kv_transfer.payload import PayloadWriter
 from kv_transfer.stats import TransferStats
 from kv_transfer.status import as_transfer_error
-from kv_transfer.wire import DTYPE_NAMES, chunk_spans, frame, split
+from kv_transfer.wire import chunk_spans, frame, split
 from protos.gen import kv_transfer_pb2 as pb
 
 if TYPE_CHECKING:
@@ -191,17 +191,7 @@ class KVPush:
         """One chunk written the transport's way (chunk_writer.py): `data` itself, or (with `src`)
         its blocks `src`, [layers, 2, len(src), block_size, kv_heads, head_dim]. Returns the
         messages to send now: its own, or (in place) held headers whose layers it no longer joins."""
-        shape = tuple(data.shape) if src is None else (data.shape[0], 2, len(src), *data.shape[3:])
-        header = pb.KVChunkHeader(
-            request_id=self.request_id,
-            transfer_token=self.reservation.transfer_token,
-            layer_start=layer_start,
-            layer_end=layer_start + data.shape[0],
-            block_ids=blocks,
-            dtype=DTYPE_NAMES[data.dtype],
-            shape=list(shape),
-            payload_bytes=torch.Size(shape).numel() * data.element_size(),
-        )
+        header = chunk_header(self.request_id, self.reservation.transfer_token, layer_start, blocks, data, src)
         with self._writer_lock:  # the writer is not closed under it (a segment given back, a claim lifted)
             if self._error is not None:
                 raise self._error
