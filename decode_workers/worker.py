@@ -100,6 +100,7 @@ class DecodeWorker(WorkerBase):
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["reservations"] = len(self.receiver.table)
+        s["kv_in_place"] = self.receiver.shared is not None  # same-host senders write its cache
         s["endpoint"] = self.endpoint
         return s
 

@@ -2,8 +2,9 @@
 streams are in flight: none is lost, greedy output is unchanged, the worker keeps its process
 (no reload), and every worker passes check_integrity() after.
 
-One cluster: 2 prefill workers + 1 decode worker. A prefill worker flips to decode under load,
-serves decode, then flips back while streams run on it.
+One cluster: 2 prefill workers + 1 decode worker on `--transport shm`, so KV goes in place into
+the decode workers' shared caches (kv_transfer/in_place.py), a flipped worker's included. A
+prefill worker flips to decode under load, serves decode, then flips back while streams run on it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ N = 6
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     engine = EngineConfig(dtype="fp32", num_blocks=256, num_threads=1)
-    c = Cluster.connect(ClusterConfig(namespace="roleflip", prefill=2, decode=1, engine=engine))
+    c = Cluster.connect(ClusterConfig(namespace="roleflip", prefill=2, decode=1, engine=engine, transport="shm"))
     try:
         c.wait_ready(240)
         until(lambda: sum(w["state"] == "up" for w in c.workers()) == 3, 240, "three workers up")
@@ -81,8 +82,13 @@ def events(c: Cluster, kind: str, wid: str) -> list[dict[str, str]]:
     return [e for _, e in c.state.events(count=10_000) if e.get("kind") == kind and e.get("worker_id") == wid]
 
 
+def stats(c: Cluster, wid: str) -> dict[str, object]:
+    result: dict[str, object] = ray.get(c.handles()[wid].stats.remote(), timeout=30)
+    return result
+
+
 def pid(c: Cluster, wid: str) -> int:
-    return int(ray.get(c.handles()[wid].stats.remote(), timeout=30)["pid"])
+    return int(str(stats(c, wid)["pid"]))
 
 
 def check_all(c: Cluster) -> None:
@@ -95,6 +101,7 @@ def test_a_prefill_worker_flips_to_decode_and_back_under_load_losing_nothing(clu
     reference.join()
     assert all(isinstance(t, list) and len(t) == PARAMS.max_tokens for t in reference.tokens), reference.tokens
     (decode0,) = [w["worker_id"] for w in cluster.workers() if w["role"] == "decode"]
+    assert stats(cluster, decode0)["kv_in_place"], "on shm the decode worker's cache is shared"
     flipper = sorted(w["worker_id"] for w in cluster.workers() if w["role"] == "prefill")[0]
     before = pid(cluster, flipper)
 
@@ -106,6 +113,7 @@ def test_a_prefill_worker_flips_to_decode_and_back_under_load_losing_nothing(clu
     streams.join()
     assert streams.tokens == reference.tokens, "a stream was lost or changed by the flip"
     assert pid(cluster, flipper) == before, "the worker flipped in its own process, not a new one"
+    assert stats(cluster, flipper)["kv_in_place"], "its cache moved into shared memory as it turned decode"
     assert {r: cluster.state.desired().get(r) for r in ("prefill", "decode")} == {"prefill": 1, "decode": 2}
     (done,) = events(cluster, "worker_flipped", flipper)
     assert done["role"] == "decode" and done["was"] == "prefill" and float(done["switch_s"]) > 0
