@@ -138,7 +138,7 @@ class PDActor(_Hosted, PublishesBlocks):
             return PrefillWorker(
                 worker_id, self._model_path, config, self._transport, tls=self._tls, host=_bind_host(), core=core
             )
-        in_place = self._transport == "shm"  # the cache in /dev/shm, for prefill workers to write
+        in_place = self._transport in ("shm", "auto")  # the cache in /dev/shm, for prefill workers to write
         return DecodeWorker(
             worker_id, self._model_path, config, host=_bind_host(), tls=self._tls, core=core, in_place=in_place
         )

@@ -55,7 +55,7 @@ class ClusterConfig:
     decode: int = 1
     colocated: int = 0
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=512))
-    transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts) or shm (same host)
+    transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts), shm (same host), auto (by placement)
     kv_tls: KVTLSConfig | None = None  # TLS on the KV channel between prefill and decode workers
     waits: Waits = field(default_factory=Waits)
     max_migrations: int = 2  # mid-stream replays of one request on another pair

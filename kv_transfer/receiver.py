@@ -2,9 +2,8 @@
 
 A chunk is checked completely before a byte is written: reservation, token, deadline,
 layer range, destination blocks, dtype, shape, size and checksum. A bad chunk from the
-token holder fails the transfer (its blocks are freed at once); a chunk with a wrong or
-stale token is refused and the reservation is left alone. Each accepted chunk renews the
-lease by `lease_s`.
+token holder fails the transfer (its blocks are freed at once); a chunk with a wrong or stale
+token is refused and the reservation is left alone. Each accepted chunk renews the lease.
 
 With `in_place`, the engine's cache moves to /dev/shm and a same-host sender that Claims a
 reservation writes its blocks itself; its chunks are headers, and its blocks are fenced
@@ -17,6 +16,7 @@ message before buffering it and a sender never needs more than one message per l
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -104,6 +104,7 @@ class KVReceiver:
             max_chunk_bytes=self.max_chunk_bytes,
             cache_shm_name=self.shared.name if self.shared else "",
             cache_num_blocks=self.engine.cache.num_blocks,
+            node=socket.gethostname(),
         )
 
     def release(self, request_id: str, token: str | None, reason: str, writer_stopped: bool = False) -> bool:

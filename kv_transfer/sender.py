@@ -23,6 +23,7 @@ from kv_transfer.in_place_writer import CACHES, InPlaceWriter
 from kv_transfer.payload import InbandWriter, PayloadWriter, ShmSegmentPool, ShmWriter
 from kv_transfer.push import MAX_QUEUED_BYTES, STALL_S, KVPush
 from kv_transfer.security import SECRET_HEADER, KVTLSConfig
+from kv_transfer.selection import Placement, here, select
 from kv_transfer.server import SERVICE
 from kv_transfer.status import as_transfer_error
 from protos.gen import kv_transfer_pb2 as pb
@@ -37,7 +38,8 @@ class KVTransferClient:
     `timeout_s` bounds each unary call (Reserve, Release). `secret`: the cluster secret, for
     Reserve. `tls`: connect over TLS (None: plaintext). `stall_s`, `max_queued_bytes`: each
     push's progress deadline and queue bound (kv_transfer/push.py). `in_place`: on shm, write
-    into a receiver's shared cache when it has one (False: always through segments)."""
+    into a receiver's shared cache when it has one (False: always through segments).
+    `transport="auto"` picks per transfer from where the receiver runs (kv_transfer/selection.py)."""
 
     def __init__(
         self,
@@ -52,7 +54,7 @@ class KVTransferClient:
         max_queued_bytes: int = MAX_QUEUED_BYTES,
         in_place: bool = True,
     ) -> None:
-        if transport not in ("grpc", "shm", "collective"):
+        if transport not in ("grpc", "shm", "auto", "collective"):
             raise ValueError(f"unknown transport {transport!r}")
         if (transport == "collective") != (link is not None):
             raise ValueError("the collective transport needs a CollectiveLink, and only it takes one")
@@ -144,7 +146,8 @@ class KVTransferClient:
     ) -> KVPush:
         """A push into `reservation`. `stall_s` (default: the client's) is its progress deadline;
         `deadline_s` is its former name (there is no total deadline any more)."""
-        writer: PayloadWriter = InbandWriter() if self.transport == "grpc" else ShmWriter(self._shm_pool)
+        kind = select(here(), Placement(reservation.node)) if self.transport == "auto" else self.transport
+        writer: PayloadWriter = InbandWriter() if kind == "grpc" else ShmWriter(self._shm_pool)
         if self.link is not None:
             writer = CollectiveWriter(self.link)
         elif (
@@ -153,6 +156,8 @@ class KVTransferClient:
             and (target := self._caches.get(reservation)) is not None
         ):
             writer = InPlaceWriter(target, self._claim_async(request_id, reservation.transfer_token), writer)
+        elif self.transport == "auto":
+            writer = InbandWriter()  # the receiver's cache is not reachable from here after all
         stall = stall_s or deadline_s or self.stall_s
         return KVPush(self, request_id, reservation, writer, stall, self.max_queued_bytes)
 

@@ -61,7 +61,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="how KV caches store keys and values, and what P/D moves: auto = as the activations; int8/fp8: "
         "per-token-head scaled codes, about a quarter of fp32's bytes (lossy: see the README)",
     )
-    ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm"])
+    ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm", "auto"])
     ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     ap.add_argument(
         "--threads",

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\ttandem.kv\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"J\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"\xd0\x01\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.tandem.kv.KVLayout\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_shm_name\x18\x07 \x01(\t\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x08 \x01(\r\"J\n\x0c\x43laimRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x0e\n\x06holder\x18\x03 \x01(\t\"\x0f\n\rClaimResponse\"\xb2\x02\n\rKVChunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x04\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x11\n\ttransport\x18\n \x01(\t\x12\x12\n\nshm_offset\x18\x0b \x01(\x04\x12\x10\n\x08shm_name\x18\x0c \x01(\t\x12\x0e\n\x06\x63ommit\x18\r \x01(\x08\x12\x12\n\nnum_tokens\x18\x0e \x01(\r\x12\x16\n\x0e\x63ollective_seq\x18\x0f \x01(\x04\"<\n\nPushResult\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\"L\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x87\x02\n\nKVTransfer\x12@\n\x07Reserve\x12\x19.tandem.kv.ReserveRequest\x1a\x1a.tandem.kv.ReserveResponse\x12\x39\n\x04Push\x12\x18.tandem.kv.KVChunkHeader\x1a\x15.tandem.kv.PushResult(\x01\x12@\n\x07Release\x12\x19.tandem.kv.ReleaseRequest\x1a\x1a.tandem.kv.ReleaseResponse\x12:\n\x05\x43laim\x12\x17.tandem.kv.ClaimRequest\x1a\x18.tandem.kv.ClaimResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\ttandem.kv\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"J\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"\xde\x01\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.tandem.kv.KVLayout\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x16\n\x0e\x63\x61\x63he_shm_name\x18\x07 \x01(\t\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x08 \x01(\r\x12\x0c\n\x04node\x18\t \x01(\t\"J\n\x0c\x43laimRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x0e\n\x06holder\x18\x03 \x01(\t\"\x0f\n\rClaimResponse\"\xb2\x02\n\rKVChunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x04\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x11\n\ttransport\x18\n \x01(\t\x12\x12\n\nshm_offset\x18\x0b \x01(\x04\x12\x10\n\x08shm_name\x18\x0c \x01(\t\x12\x0e\n\x06\x63ommit\x18\r \x01(\x08\x12\x12\n\nnum_tokens\x18\x0e \x01(\r\x12\x16\n\x0e\x63ollective_seq\x18\x0f \x01(\x04\"<\n\nPushResult\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\r\"L\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x87\x02\n\nKVTransfer\x12@\n\x07Reserve\x12\x19.tandem.kv.ReserveRequest\x1a\x1a.tandem.kv.ReserveResponse\x12\x39\n\x04Push\x12\x18.tandem.kv.KVChunkHeader\x1a\x15.tandem.kv.PushResult(\x01\x12@\n\x07Release\x12\x19.tandem.kv.ReleaseRequest\x1a\x1a.tandem.kv.ReleaseResponse\x12:\n\x05\x43laim\x12\x17.tandem.kv.ClaimRequest\x1a\x18.tandem.kv.ClaimResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREQUEST']._serialized_start=139
   _globals['_RESERVEREQUEST']._serialized_end=213
   _globals['_RESERVERESPONSE']._serialized_start=216
-  _globals['_RESERVERESPONSE']._serialized_end=424
-  _globals['_CLAIMREQUEST']._serialized_start=426
-  _globals['_CLAIMREQUEST']._serialized_end=500
-  _globals['_CLAIMRESPONSE']._serialized_start=502
-  _globals['_CLAIMRESPONSE']._serialized_end=517
-  _globals['_KVCHUNKHEADER']._serialized_start=520
-  _globals['_KVCHUNKHEADER']._serialized_end=826
-  _globals['_PUSHRESULT']._serialized_start=828
-  _globals['_PUSHRESULT']._serialized_end=888
-  _globals['_RELEASEREQUEST']._serialized_start=890
-  _globals['_RELEASEREQUEST']._serialized_end=966
-  _globals['_RELEASERESPONSE']._serialized_start=968
-  _globals['_RELEASERESPONSE']._serialized_end=1003
-  _globals['_KVTRANSFER']._serialized_start=1006
-  _globals['_KVTRANSFER']._serialized_end=1269
+  _globals['_RESERVERESPONSE']._serialized_end=438
+  _globals['_CLAIMREQUEST']._serialized_start=440
+  _globals['_CLAIMREQUEST']._serialized_end=514
+  _globals['_CLAIMRESPONSE']._serialized_start=516
+  _globals['_CLAIMRESPONSE']._serialized_end=531
+  _globals['_KVCHUNKHEADER']._serialized_start=534
+  _globals['_KVCHUNKHEADER']._serialized_end=840
+  _globals['_PUSHRESULT']._serialized_start=842
+  _globals['_PUSHRESULT']._serialized_end=902
+  _globals['_RELEASEREQUEST']._serialized_start=904
+  _globals['_RELEASEREQUEST']._serialized_end=980
+  _globals['_RELEASERESPONSE']._serialized_start=982
+  _globals['_RELEASERESPONSE']._serialized_end=1017
+  _globals['_KVTRANSFER']._serialized_start=1020
+  _globals['_KVTRANSFER']._serialized_end=1283
 # @@protoc_insertion_point(module_scope)

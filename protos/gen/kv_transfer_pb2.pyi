@@ -31,7 +31,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "transfer_token", "endpoint", "layout", "lease_ms", "max_chunk_bytes", "cache_shm_name", "cache_num_blocks")
+    __slots__ = ("block_ids", "transfer_token", "endpoint", "layout", "lease_ms", "max_chunk_bytes", "cache_shm_name", "cache_num_blocks", "node")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class ReserveResponse(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_token: str
     endpoint: str
@@ -48,7 +49,8 @@ class ReserveResponse(_message.Message):
     max_chunk_bytes: int
     cache_shm_name: str
     cache_num_blocks: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., cache_shm_name: _Optional[str] = ..., cache_num_blocks: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_token: _Optional[str] = ..., endpoint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., cache_shm_name: _Optional[str] = ..., cache_num_blocks: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     __slots__ = ("request_id", "transfer_token", "holder")

@@ -20,7 +20,8 @@ from kv_transfer.chunk_writer import HOLD_S, InPlaceHeaders
 from kv_transfer.errors import ChunkRejected, KVTransferError
 from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, SharedCache, held
 from kv_transfer.in_place_writer import CACHES, InPlaceWriter, copy_blocks
-from kv_transfer.payload import SHM_DIR, ShmWriter
+from kv_transfer.payload import SHM_DIR, InbandWriter, ShmWriter
+from kv_transfer.selection import Placement, here, select
 from kv_transfer.sender import KVTransferClient
 from kv_transfer.wire import frame
 from protos.gen import kv_transfer_pb2 as pb
@@ -289,3 +290,35 @@ def test_in_place_headers_that_continue_each_other_go_as_one() -> None:
     assert (out.layer_start, out.layer_end) == (3, 4)
     (last,) = held.flush()
     assert list(last.block_ids) == [5] and held.flush() == []
+
+
+def test_transport_selection_is_a_function_of_placement() -> None:
+    cpu_a, cpu_b = Placement("a"), Placement("b")
+    assert select(cpu_a, Placement("a")) == "shm" and select(cpu_a, cpu_b) == "grpc"
+    assert select(Placement(""), Placement("")) == "grpc", "an unknown host is never the same host"
+    g0, g1, far = Placement("a", "GPU-0"), Placement("a", "GPU-1"), Placement("b", "GPU-2")
+    every = ("grpc", "shm", "cuda-ipc", "nccl")
+    assert select(g0, Placement("a", "GPU-0"), every) == "cuda-ipc"
+    assert select(g0, g1, every) == "cuda-ipc" and select(g0, g1, ("grpc", "nccl")) == "nccl"
+    assert select(g0, far, every) == "nccl"
+    assert select(g0, g1) == "grpc", "GPU caches never go through host shm; until issue 16, grpc"
+
+
+def test_auto_goes_in_place_where_the_cache_is_reachable_and_over_grpc_elsewhere(
+    tiny_model: LlamaModel, pair: Pair
+) -> None:
+    client = pair.client("auto")
+    res = pair.receiver.reserve("near", 8)
+    assert res.node == here().node
+    assert isinstance(client.push("near", res).writer, InPlaceWriter)
+    far = pb.ReserveResponse()
+    far.CopyFrom(res)
+    far.node = "another-host"
+    assert isinstance(client.push("near", far).writer, InbandWriter)
+    private = make_pair(tiny_model)  # same host name, but its cache is not in /dev/shm
+    try:
+        mine = private.receiver.reserve("r", 8)
+        assert isinstance(private.client("auto").push("r", mine).writer, InbandWriter)
+    finally:
+        private.close()
+    client.close()
