@@ -1,5 +1,5 @@
 """A role flip's engine half: the same weights and KV cache (prefix cache included) serve
-another role, with that role's batching limits and speculation. No reload, no copy.
+another role, with that role's batching limits and speculation. Nothing reloads.
 
 Only an idle engine switches (no request, hand-off or reservation holds a block), and only to a
 config that differs in what can change in place; anything else needs a new engine."""

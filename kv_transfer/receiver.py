@@ -5,9 +5,8 @@ layer range, destination blocks, dtype, shape, size and checksum. A bad chunk fr
 token holder fails the transfer (its blocks are freed at once); a chunk with a wrong or stale
 token is refused and the reservation is left alone. Each accepted chunk renews the lease.
 
-With `in_place`, the engine's cache moves to /dev/shm and a same-host sender that Claims a
-reservation writes its blocks itself; its chunks are headers, and its blocks are fenced
-from reuse until it says it stopped writing (kv_transfer/in_place.py).
+With `in_place`, the engine's cache moves to /dev/shm and a same-host sender that Claims a reservation
+writes its blocks itself; its chunks are headers, and its blocks are fenced until it stops (in_place.py).
 
 A chunk carries at most `max_chunk_bytes` of payload: by default one layer of the largest
 reservation this engine can grant (`max_blocks` blocks), so the server can refuse a larger
@@ -71,7 +70,8 @@ class KVReceiver:
         self._done: OrderedDict[str, TransferStats] = OrderedDict()
         self._dropped: list[str] = []
         self.fence = Fence()
-        self.shared = SharedCache.share(engine.cache) if in_place else None
+        with engine_lock:  # a flipped worker's engine loop runs already: it must not step meanwhile
+            self.shared = SharedCache.share(engine.cache) if in_place else None
 
     # ---- control ----------------------------------------------------------------------------
 
