@@ -16,7 +16,6 @@ A dense [chunk, context + chunk] mask sends SDPA down a path that is 1.5-1.7x sl
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -94,45 +93,19 @@ def _merge(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 # after. Measured at 8K, per layer: 3.7 ms whole (masked), 2.8 ms in 8 segments; no gain at 2K.
 _SEGMENTED_DECODE_FROM = 4096
 _DECODE_SEGMENTS = 8
-# A long decode row's context read where it lies in at most this many runs of consecutive
-# blocks (more: gathered), each a flash call or more.
-_MAX_RUNS = 8
 
 
 def _long_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: [1, KVH, G, D]; k, v: [1, L, KVH, D], exactly the row's context. Returns [1, KVH, G, D]."""
-    return _merge(*_segments(q, k, v, _DECODE_SEGMENTS)).unsqueeze(0)
-
-
-def _segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_seg: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attentions of q over k, v ([1, L, KVH, D]) cut into `n_seg` segments (plus a tail),
-    in one flash call: ([S, KVH, G, D], [S, KVH, G] log-sum-exps), for `_merge`."""
-    _, length, nkv, d = k.shape
+    n_seg, (_, length, nkv, d) = _DECODE_SEGMENTS, k.shape
     seg = length // n_seg
-    if not seg:
-        return _flash_with_lse(q, k.transpose(1, 2), v.transpose(1, 2))[:2]  # type: ignore[no-any-return]
     body = seg * n_seg
     ks, vs = (x[:, :body].view(n_seg, seg, nkv, d).transpose(1, 2) for x in (k, v))
-    o, lse = _flash_with_lse(q.expand(n_seg, -1, -1, -1), ks, vs)[:2]
+    o, lse = _flash_with_lse(q.expand(n_seg, -1, -1, -1), ks, vs)[:2]  # [S, KVH, G, D], [S, KVH, G]
     if body < length:
         o_tail, lse_tail = _flash_with_lse(q, *(x[:, body:].transpose(1, 2) for x in (k, v)))[:2]
         o, lse = torch.cat([o, o_tail]), torch.cat([lse, lse_tail])
-    return o, lse
-
-
-def _decode_in_place(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: list[tuple[int, int]]
-) -> torch.Tensor:
-    """`_long_decode` over a context that lies in the cache as `runs` (first row, rows): each run
-    read where it lies, in segments in proportion to its length, merged. Returns [1, KVH, G, D]."""
-    total = sum(n for _, n in runs)
-    parts = [
-        _segments(
-            q, k_cache[a : a + n].unsqueeze(0), v_cache[a : a + n].unsqueeze(0), -(-_DECODE_SEGMENTS * n // total)
-        )
-        for a, n in runs
-    ]
-    return _merge(torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])).unsqueeze(0)
+    return _merge(o, lse).unsqueeze(0)
 
 
 def paged_attention(
@@ -158,9 +131,10 @@ def paged_attention(
         # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
         qd = q[:nd].view(nd, k.shape[1], -1, q.shape[-1])
         long = nd == 1 and meta.decode_max_len >= _SEGMENTED_DECODE_FROM
-        runs = _runs(meta.decode_block_tables[0], meta.decode_max_len, block_size, codec) if long else None
-        if runs is not None:  # the context where it lies: no gather
-            o = _decode_in_place(qd, k_cache, v_cache, runs).view(nd, *q.shape[1:])
+        first = _one_run(meta.decode_block_tables[0], meta.decode_max_len, block_size, codec) if long else None
+        if first is not None:
+            rows = slice(first, first + meta.decode_max_len)  # the context where it lies: no gather
+            o = _long_decode(qd, k_cache[rows].unsqueeze(0), v_cache[rows].unsqueeze(0)).view(nd, *q.shape[1:])
             if not meta.prefills:
                 return o
             out[:nd] = o
@@ -181,24 +155,15 @@ def paged_attention(
     return _prefills(q, k, v, k_cache, v_cache, meta, block_size, codec, out)
 
 
-def _runs(
-    table: torch.Tensor, length: int, block_size: int, codec: KVCodec | None, most: int = _MAX_RUNS
-) -> list[tuple[int, int]] | None:
-    """A context of `length` tokens in the blocks of `table` as runs of consecutive cache rows,
-    (first row, rows), when there are at most `most` and the cache stores what attention
-    computes with (no codec to decode): attention then reads the context where it lies, with
-    no gather. Else None."""
+def _one_run(table: torch.Tensor, length: int, block_size: int, codec: KVCodec | None) -> int | None:
+    """The first cache row of a context of `length` tokens in the blocks of `table`, when those
+    blocks are consecutive and stored as computed (no codec to decode): attention then reads
+    the context where it lies, with no gather. Else None."""
     if codec is not None and not codec.passthrough:
         return None
-    t = table[: -(-length // block_size)]
-    cuts = ((t[1:] != t[:-1] + 1).nonzero().flatten() + 1).tolist()
-    if len(cuts) >= most:
-        return None
-    bounds = [0, *cuts, len(t)]
-    runs = [(int(t[a]) * block_size, (b - a) * block_size) for a, b in itertools.pairwise(bounds)]
-    first, rows = runs[-1]
-    runs[-1] = (first, rows - (len(t) * block_size - length))  # the last block is partly filled
-    return runs
+    table = table[: -(-length // block_size)]
+    first = int(table[0])
+    return first * block_size if bool((table == torch.arange(first, first + len(table))).all()) else None
 
 
 def _prefills(
@@ -216,10 +181,9 @@ def _prefills(
     group = q.shape[1] // k.shape[1]
     for c in meta.prefills:
         if c.context_len:
-            runs = _runs(c.block_table, c.context_len, block_size, codec, most=1)
-            if runs is not None:  # one run: where it lies, no gather
-                (first, _), n = runs[0], c.context_len
-                k_ctx, v_ctx = (x[first : first + n] for x in (k_cache, v_cache))
+            first = _one_run(c.block_table, c.context_len, block_size, codec)
+            if first is not None:  # where it lies: no gather
+                k_ctx, v_ctx = (x[first : first + c.context_len] for x in (k_cache, v_cache))
             else:
                 blocks, ctx = c.block_table[: -(-c.context_len // block_size)], slice(0, c.context_len)
                 k_ctx = _gather(k_cache, blocks, block_size, codec).flatten(0, 1)[ctx]  # [context_len, KVH, D]
