@@ -127,22 +127,13 @@ def paged_attention(
     out = q.new_empty(q.shape) if meta.prefills else q
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        # The G query heads sharing a KV head become G query rows of that head (no GQA
-        # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
-        qd = q[:nd].view(nd, k.shape[1], -1, q.shape[-1])
-        long = nd == 1 and meta.decode_max_len >= _SEGMENTED_DECODE_FROM
-        first = _one_run(meta.decode_block_tables[0], meta.decode_max_len, block_size, codec) if long else None
-        if first is not None:
-            rows = slice(first, first + meta.decode_max_len)  # the context where it lies: no gather
-            o = _long_decode(qd, k_cache[rows].unsqueeze(0), v_cache[rows].unsqueeze(0)).view(nd, *q.shape[1:])
-            if not meta.prefills:
-                return o
-            out[:nd] = o
-            return _prefills(q, k, v, k_cache, v_cache, meta, block_size, codec, out)
         # gathered: [nd * max_blocks, block_size, KVH, D] -> [nd, L, KVH, D]
         kg = _gather(k_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *k.shape[1:])
         vg = _gather(v_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *v.shape[1:])
-        if long:
+        # The G query heads sharing a KV head become G query rows of that head (no GQA
+        # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
+        qd = q[:nd].view(nd, k.shape[1], -1, q.shape[-1])
+        if nd == 1 and meta.decode_max_len >= _SEGMENTED_DECODE_FROM:
             length = meta.decode_max_len
             o = _long_decode(qd, kg[:, :length], vg[:, :length]).view(nd, *q.shape[1:])
         else:
@@ -152,42 +143,12 @@ def paged_attention(
         if not meta.prefills:
             return o
         out[:nd] = o
-    return _prefills(q, k, v, k_cache, v_cache, meta, block_size, codec, out)
-
-
-def _one_run(table: torch.Tensor, length: int, block_size: int, codec: KVCodec | None) -> int | None:
-    """The first cache row of a context of `length` tokens in the blocks of `table`, when those
-    blocks are consecutive and stored as computed (no codec to decode): attention then reads
-    the context where it lies, with no gather. Else None."""
-    if codec is not None and not codec.passthrough:
-        return None
-    table = table[: -(-length // block_size)]
-    first = int(table[0])
-    return first * block_size if bool((table == torch.arange(first, first + len(table))).all()) else None
-
-
-def _prefills(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    block_size: int,
-    codec: KVCodec | None,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Each prefill chunk's attention into its rows of `out` (see the module docstring)."""
     group = q.shape[1] // k.shape[1]
     for c in meta.prefills:
         if c.context_len:
-            first = _one_run(c.block_table, c.context_len, block_size, codec)
-            if first is not None:  # where it lies: no gather
-                k_ctx, v_ctx = (x[first : first + c.context_len] for x in (k_cache, v_cache))
-            else:
-                blocks, ctx = c.block_table[: -(-c.context_len // block_size)], slice(0, c.context_len)
-                k_ctx = _gather(k_cache, blocks, block_size, codec).flatten(0, 1)[ctx]  # [context_len, KVH, D]
-                v_ctx = _gather(v_cache, blocks, block_size, codec).flatten(0, 1)[ctx]
+            blocks, ctx = c.block_table[: -(-c.context_len // block_size)], slice(0, c.context_len)
+            k_ctx = _gather(k_cache, blocks, block_size, codec).flatten(0, 1)[ctx]  # [context_len, KVH, D]
+            v_ctx = _gather(v_cache, blocks, block_size, codec).flatten(0, 1)[ctx]
             out[c.start : c.end] = _after_context(
                 q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], k_ctx, v_ctx
             )

@@ -22,18 +22,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: in
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("context_len", "n"), [(0, 7), (4, 1), (5, 3), (8, 8), (13, 11), (37, 64)])
-@pytest.mark.parametrize("consecutive", [False, True], ids=["shuffled", "consecutive"])
 def test_prefill_chunk_after_context_equals_masked_reference(
-    dtype: torch.dtype, tol: float, context_len: int, n: int, consecutive: bool
+    dtype: torch.dtype, tol: float, context_len: int, n: int
 ) -> None:
-    """Shuffled blocks are gathered; consecutive ones are read where they lie."""
     g = torch.Generator().manual_seed(context_len * 100 + n)
     total = context_len + n
     q = torch.randn(n, H, D, generator=g).to(dtype)
     k, v = (torch.randn(total, KVH, D, generator=g).to(dtype) for _ in range(2))
     # The cache holds context + chunk in shuffled blocks, as a real block table does.
     num_blocks = -(-total // BS)
-    table = torch.arange(2, 2 + num_blocks) if consecutive else torch.randperm(num_blocks + 3, generator=g)[:num_blocks]
+    table = torch.randperm(num_blocks + 3, generator=g)[:num_blocks]
     slots = (table.repeat_interleave(BS) * BS + torch.arange(BS).repeat(num_blocks))[:total]
     k_cache, v_cache = (torch.zeros((num_blocks + 3) * BS, KVH, D, dtype=dtype) for _ in range(2))
     k_cache[slots], v_cache[slots] = k, v
@@ -51,17 +49,11 @@ def _decode_meta(lens: list[int], tables: list[torch.Tensor], slots: torch.Tenso
 
 
 @pytest.mark.parametrize("lens", [[1], [37], [4096], [4103], [8000], [4103, 9], [5, 4103]])
-@pytest.mark.parametrize("consecutive", [False, True], ids=["shuffled", "consecutive"])
-def test_decode_rows_equal_masked_reference(lens: list[int], consecutive: bool) -> None:
-    """One row at 4K+ takes the segmented path (with and without a tail), over its blocks where
-    they lie when they are consecutive; batches take the masked one."""
+def test_decode_rows_equal_masked_reference(lens: list[int]) -> None:
+    """One row at 4K+ takes the segmented path (with and without a tail); batches take the masked one."""
     g = torch.Generator().manual_seed(sum(lens))
     blocks = [-(-n // BS) for n in lens]
-    perm = (
-        torch.arange(1, sum(blocks) + 3) % (sum(blocks) + 2)
-        if consecutive
-        else torch.randperm(sum(blocks) + 2, generator=g)
-    )
+    perm = torch.randperm(sum(blocks) + 2, generator=g)
     tables = [perm[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(lens))]
     k_cache, v_cache = (torch.randn((sum(blocks) + 2) * BS, KVH, D, generator=g) for _ in range(2))
     q = torch.randn(len(lens), H, D, generator=g)
