@@ -42,8 +42,8 @@ class StepPlan:
     after: Mix = QUICK.mixes["decode_heavy"]
     before_s: float = 40.0
     after_s: float = 80.0
-    before_x: float = 1.5  # rate, as a multiple of the mix's one-at-a-time rate
-    after_x: float = 6.0
+    before_x: float = 0.7  # rate, as a multiple of the mix's one-at-a-time rate
+    after_x: float = 3.0
     window_s: float = 5.0
     interval_s: float = 5.0  # the autoscaler's
 
