@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import ray
@@ -27,6 +27,7 @@ from cluster.registration import PublishesBlocks, Registered
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.messages import TokenOutput
 from engine.outbox import Item
 from engine.outputs import RequestOutput
 from engine.role_switch import check_switch
@@ -239,9 +240,15 @@ class PDActor(_Hosted, PublishesBlocks):
 
 
 class ColocatedActor(_Hosted, Registered):
+    w: ColocatedWorker
+
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
         self.w = ColocatedWorker(worker_id, model_path, config)
         self._register(state_url, namespace)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
+        with self.w.serving():
+            yield from self.w.generate(*args, **kwargs)
 
 
 ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "colocated": ColocatedActor}
