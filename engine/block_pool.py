@@ -87,9 +87,14 @@ class BlockPool:
         return list(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Pop `n` blocks from the free-queue head, each with ref count 1.
+        """Pop `n` blocks from the free-queue head, each with ref count 1, in ascending id order.
 
-        Evicts any cached hash the popped blocks carry (recording an "evicted" event).
+        The queue picks which blocks (LRU); the order is ascending so that a request's blocks
+        form runs of consecutive ids wherever the set allows, as it does on a quiet pool: KV is
+        then copied (in place, kv_transfer/in_place_writer.py) as a few strided runs, not block
+        by block. The free queue refills in reverse table order, so without sorting a freed
+        request's blocks come back descending. Evicts any cached hash the popped blocks carry
+        (recording an "evicted" event).
         Raises NoFreeBlocksError, allocating nothing, if fewer than `n` blocks are free.
         """
         if n < 0:
@@ -105,6 +110,7 @@ class BlockPool:
                 self._evicted.append(block_hash)
             self._refs[block_id] = 1
             block_ids.append(block_id)
+        block_ids.sort()
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:

@@ -63,7 +63,17 @@ def test_pool_free_appends_to_tail_in_order() -> None:
     pool.free([3])
     pool.check_integrity()
     assert pool.free_queue() == [4, 2, 0, 3]
-    assert pool.allocate(3) == [4, 2, 0]
+    assert pool.allocate(3) == [0, 2, 4]  # the LRU head's three, in ascending order
+    pool.check_integrity()
+
+
+def test_pool_gives_a_freed_request_its_blocks_back_in_runs() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    kv = pool.allocate(6)
+    pool.free(reversed(kv))  # as KVCache.free does: tail blocks first
+    assert pool.free_queue() == [6, 7, 5, 4, 3, 2, 1, 0]
+    assert pool.allocate(2) == [6, 7]
+    assert pool.allocate(6) == [0, 1, 2, 3, 4, 5]  # consecutive, not [5, 4, 3, 2, 1, 0]
     pool.check_integrity()
 
 
@@ -210,11 +220,11 @@ def test_freed_cached_blocks_revive_then_evict_in_lru_order() -> None:
 
     assert kv.allocate_slots("c", 8)
     kv.check_integrity()
-    assert kv.block_table("c") == [3, 2]
+    assert kv.block_table("c") == [2, 3]  # the LRU head's two, ascending
     assert kv.pool.pop_events() == ([], [])
     assert kv.allocate_slots("c", 12)
     kv.check_integrity()
-    assert kv.block_table("c") == [3, 2, 1]
+    assert kv.block_table("c") == [2, 3, 1]
     assert kv.pool.pop_events() == ([], [h1])
     assert kv.pool.lookup(h1) is None
     assert kv.pool.lookup(h0) == 0
