@@ -78,6 +78,13 @@ class OutputTree:
         self._log: deque[tuple[tuple[int, ...], int]] = deque()
         self.tokens = 0
 
+    def clear(self) -> None:
+        """Forget every output (a benchmark starts each round from an empty tree)."""
+        self._next.clear()
+        self._total.clear()
+        self._log.clear()
+        self.tokens = 0
+
     def add(self, context: Sequence[int], output: Sequence[int]) -> None:
         """A finished request's `output`, after the last tokens of its prompt (`context`)."""
         t = list(context[-self.max_ngram :]) + list(output)
