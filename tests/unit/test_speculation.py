@@ -12,12 +12,13 @@ import pytest
 
 from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
 from engine.engine import Engine
-from engine.kv_cache import prefix_hashes
+from engine.kv_cache import KVCacheManager, prefix_hashes
 from engine.model import LlamaModel
 from engine.outputs import RequestOutput
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.speculation import accepted, verify_len
+from engine.speculation import Speculator, accepted, row_cost, verify_len
 from tests.unit.kv_harness import make_pair
 from tests.unit.tiny import make_engine
 
@@ -164,16 +165,39 @@ def test_output_tree_drafts_the_most_frequent_continuation_within_its_capacity()
     drafter = SuffixDrafter(tree, 3)
     drafter.update([5, 9, 1])
     assert drafter.propose().token_ids[:1] == (2,), "the request's own text has no match: the tree drafts"
+    tree.clear()
+    tree.check_integrity()
+    assert tree.tokens == 0 and tree.propose([7, 9, 1]) == Draft((), ())
 
 
 def test_verify_len_keeps_the_confident_prefix_and_less_under_load() -> None:
     draft = Draft((1, 2, 3, 4), (0.9, 0.8, 0.5, 0.9))  # cumulative: 0.9, 0.72, 0.36, 0.324
-    assert verify_len(draft, running=1) == 4  # threshold 0.2
-    assert verify_len(draft, running=5) == 2  # 0.38
-    assert verify_len(draft, running=11) == 2  # 0.65
-    assert verify_len(draft, running=16) == 1  # 0.875
-    assert verify_len(draft, running=40) == 0  # capped at 0.95
-    assert verify_len(Draft((), ()), running=1) == 0
+    # token i's row costs row_cost(rows + i) = 0.2 + 0.045 * (rows + i - 1)
+    assert verify_len(draft, rows=1) == 3  # 0.2, 0.245, 0.29 pass; 0.324 < 0.335
+    assert verify_len(draft, rows=2) == 3  # 0.245, 0.29, 0.335 pass; 0.324 < 0.38
+    assert verify_len(draft, rows=5) == 2  # 0.38, 0.425 pass; 0.36 < 0.47
+    assert verify_len(draft, rows=11) == 2  # 0.65, 0.695 pass; 0.36 < 0.74
+    assert verify_len(draft, rows=16) == 1  # 0.875 passes; 0.72 < 0.92
+    assert verify_len(draft, rows=40) == 0  # capped at 0.95
+    assert verify_len(Draft((), ()), rows=1) == 0
+    assert row_cost(1) == pytest.approx(0.2) and row_cost(17) == pytest.approx(0.92) and row_cost(100) == 0.95
+
+
+@pytest.mark.parametrize(("running", "granted"), [(4, [2, 2, 1, 1]), (8, [1, 1, 1, 1, 1, 0, 0, 0])])
+def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, granted: list[int]) -> None:
+    spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
+    reqs = []
+    for i in range(running):
+        r = Request(f"r{i}", [5, 6, 7, 8] * 3 + [5, 6, 7], SamplingParams(max_tokens=50), arrival_seq=i)
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+        reqs.append(r)
+    spec.draft(reqs)
+    # each proposes [8, 5, 6, 7] at 0.7 a token (a 4-token match x the prior rate): cumulative
+    # 0.7, 0.49, 0.34, against row costs 0.2 + 0.045 x (rows - 1) that grow with each grant.
+    # 4 running: r0 passes 0.335, 0.38 (not 0.425), r1 0.425, 0.47 (not 0.515), r2 0.515 (not
+    # 0.56), r3 0.56. 8 running: one token each while 0.7 clears 0.515 .. 0.695, then none.
+    assert [len(r.draft) for r in reqs] == granted
+    assert reqs[0].draft == (8, 5, 6, 7)[: granted[0]]
 
 
 def test_accepted_counts_the_confirmed_prefix() -> None:
