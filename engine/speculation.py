@@ -107,8 +107,11 @@ class Speculator:
             d.update(req.token_ids)
             # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            draft = d.propose()
             rate = self._rate.get(req.request_id, PRIOR_RATE)  # a token's confidence: match x history
+            if rate < row_cost(rows):  # not even a sure match would be verified: do not look
+                req.draft = ()
+                continue
+            draft = d.propose()
             draft = Draft(draft.token_ids, tuple(c * rate for c in draft.confidence))
             req.draft = draft.token_ids[: max(0, min(room, verify_len(draft, rows)))]
             rows += len(req.draft)
