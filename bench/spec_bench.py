@@ -4,7 +4,8 @@
                default; the global tree learns from the answers before): decode tok/s (output
                tokens after each first / the time after each first), speculation off and on
     batch16    16 requests at once: total output tok/s, off and on; the ratio
-    acceptance draft tokens accepted / verified; mean accepted length = accepted / drafts
+    acceptance draft tokens accepted / verified; mean accepted length = accepted / drafts;
+               batch16_draft_tokens: draft tokens verified in the batch runs (0: it never drafted)
 
 Each figure is the best of `--repeats` rounds (2), off and on alternating which runs first.
 
@@ -128,13 +129,16 @@ def measure(
     best: dict[str, dict[str, float]] = {mode: {"single_tok_s": 0.0, "batch16_tok_s": 0.0} for mode in engines}
     s = engines["on"].speculator
     before = (s.drafts, s.drafted, s.accepted) if s is not None else (0, 0, 0)
+    batch_drafted = 0  # draft tokens verified in the batch runs (their rounds together)
     for r in range(repeats):
         if s is not None and s.tree is not None:
             s.tree.clear()
         for mode in list(engines)[:: 1 if r % 2 == 0 else -1]:
             e = engines[mode]
             single = run_alone(e, prompts[:alone], greedy)
+            drafted_before = e.speculator.drafted if e.speculator is not None else 0
             batch = run(e, prompts, replace(greedy, max_tokens=max_tokens // 2))
+            batch_drafted += (e.speculator.drafted if e.speculator is not None else 0) - drafted_before
             figs = best[mode]
             if single.decode_s:
                 figs["single_tok_s"] = max(figs["single_tok_s"], (single.tokens - alone) / single.decode_s)
@@ -147,6 +151,7 @@ def measure(
         "batch16_speedup": on["batch16_tok_s"] / off["batch16_tok_s"],
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_accepted_len": accepted / drafts if drafts else None,
+        "batch16_draft_tokens": batch_drafted,
         **{f"{mode}_{k}": v for mode, figs in best.items() for k, v in figs.items()},
     }
 
@@ -179,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"speculative decoding ({args.drafter}) vs off, {res['dtype']}, {args.threads} threads, greedy")
     print(f"{'workload':<11}{'single off':>11}{'on':>8}{'ratio':>7}{'batch16 off':>13}{'on':>8}{'ratio':>7}"
-          f"{'accept':>8}{'mean len':>9}")  # fmt: skip
+          f"{'accept':>8}{'mean len':>9}{'b16 drafted':>12}")  # fmt: skip
     for name in chosen:
         r = res[name]
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         mlen = "-" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
         print(f"{name:<11}{r['off_single_tok_s']:>11.1f}{r['on_single_tok_s']:>8.1f}{r['single_speedup']:>6.2f}x"
               f"{r['off_batch16_tok_s']:>13.1f}{r['on_batch16_tok_s']:>8.1f}{r['batch16_speedup']:>6.2f}x"
-              f"{acc:>8}{mlen:>9}")  # fmt: skip
+              f"{acc:>8}{mlen:>9}{r['batch16_draft_tokens']:>12}")  # fmt: skip
     return 0
