@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BROWSER := $(VENV)/.chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup serve test lint typecheck unit integration bench protos clean
+.PHONY: setup serve test test-gpu lint typecheck unit integration bench protos clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ integration: setup $(BROWSER)
 
 test: lint typecheck $(BROWSER)
 	$(BIN)/pytest -q tests/unit tests/integration
+
+# the GPU suite (issue 16): on a machine with a CUDA torch wheel and a GPU; skipped, and
+# reported as skipped (-rs), without one
+test-gpu: setup
+	$(BIN)/pytest -q -rs -m gpu tests/unit tests/integration
 
 bench: setup
 	$(BIN)/tandem bench engine

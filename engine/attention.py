@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_codec import KVCodec
+from engine.paged_decode import paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: tuple[PrefillChunk, ...]
     decode_max_len: int = 0  # the longest decode row's context, this token included
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] long: each row's context, its token included
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, codec: KVCodec | None) -> torch.Tensor:
@@ -51,9 +53,35 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, codec: K
     return rows if codec is None or codec.passthrough else codec.decode(rows)
 
 
-# The CPU flash kernel behind F.scaled_dot_product_attention; unlike it, it also returns
-# the log-sum-exp of each query row, which merging two partial attentions needs.
-_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+def _flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash kernel behind F.scaled_dot_product_attention, which unlike it also returns the
+    log-sum-exp of each query row (merging two partial attentions needs it): q, k, v
+    [B, heads, n, D] -> out [B, heads, n, D], lse [B, heads, n]. The CPU's kernel (it has a meta
+    one too); on CUDA the flash backend's, which takes half precision only: other dtypes there
+    take `math_with_lse`."""
+    if q.device.type != "cuda":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)[:2]
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal)[:2]
+    else:
+        o, lse = math_with_lse(q, k, v, is_causal)
+    return o, lse
+
+
+def math_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_flash_with_lse` in plain ops, in fp32, on any device. A causal mask is bottom-right
+    aligned (query i sees keys up to i + keys - queries), as the flash kernels align it."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, heads, n, keys]
+    if is_causal:
+        n, keys = scores.shape[-2:]
+        hidden = torch.ones(n, keys, dtype=torch.bool, device=q.device).triu(keys - n + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype), lse
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -72,11 +100,11 @@ def _after_context(
     group = nh // nkv
     # Context, no mask: the G query heads sharing a KV head become G*n query rows of it.
     q_rows = q.view(n, nkv, group, d).permute(1, 2, 0, 3).reshape(1, nkv, group * n, d)
-    o_ctx, lse_ctx = _flash_with_lse(q_rows, _heads_first(k_ctx), _heads_first(v_ctx))[:2]
+    o_ctx, lse_ctx = _flash_with_lse(q_rows, _heads_first(k_ctx), _heads_first(v_ctx))
     o_ctx = o_ctx.reshape(nh, n, d)
     # Own keys, causal: 4-D inputs with KV heads repeated hit the flash kernel's fast path.
-    rep = (_heads_first(x.repeat_interleave(group, dim=1)) for x in (k, v))
-    o_own, lse_own = _flash_with_lse(_heads_first(q), *rep, is_causal=True)[:2]
+    k_rep, v_rep = (_heads_first(x.repeat_interleave(group, dim=1)) for x in (k, v))
+    o_own, lse_own = _flash_with_lse(_heads_first(q), k_rep, v_rep, is_causal=True)
     return _merge(torch.stack([o_ctx, o_own[0]]), torch.stack([lse_ctx.reshape(nh, n), lse_own[0]])).transpose(0, 1)
 
 
@@ -101,11 +129,45 @@ def _long_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     seg = length // n_seg
     body = seg * n_seg
     ks, vs = (x[:, :body].view(n_seg, seg, nkv, d).transpose(1, 2) for x in (k, v))
-    o, lse = _flash_with_lse(q.expand(n_seg, -1, -1, -1), ks, vs)[:2]  # [S, KVH, G, D], [S, KVH, G]
+    o, lse = _flash_with_lse(q.expand(n_seg, -1, -1, -1), ks, vs)  # [S, KVH, G, D], [S, KVH, G]
     if body < length:
-        o_tail, lse_tail = _flash_with_lse(q, *(x[:, body:].transpose(1, 2) for x in (k, v)))[:2]
+        o_tail, lse_tail = _flash_with_lse(q, k[:, body:].transpose(1, 2), v[:, body:].transpose(1, 2))
         o, lse = torch.cat([o, o_tail]), torch.cat([lse, lse_tail])
     return _merge(o, lse).unsqueeze(0)
+
+
+def _decode_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+    codec: KVCodec | None,
+) -> torch.Tensor:
+    """The decode rows' attention, q: [nd, H, D] -> [nd, H, D]. Off the CPU through the block
+    tables a tile at a time (engine/paged_decode.py: static shapes); on it, gathered whole and
+    one SDPA call, which is faster there."""
+    nd = q.shape[0]
+    assert meta.decode_block_tables is not None
+    if q.device.type != "cpu":
+        assert meta.decode_seq_lens is not None
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, block_size, codec
+        )
+    assert meta.decode_mask is not None
+    # gathered: [nd * max_blocks, block_size, KVH, D] -> [nd, L, KVH, D]
+    kg = _gather(k_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *k.shape[1:])
+    vg = _gather(v_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *k.shape[1:])
+    # The G query heads sharing a KV head become G query rows of that head (no GQA
+    # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
+    qd = q.view(nd, k.shape[1], -1, q.shape[-1])
+    if nd == 1 and meta.decode_max_len >= _SEGMENTED_DECODE_FROM:
+        length = meta.decode_max_len
+        return _long_decode(qd, kg[:, :length], vg[:, :length]).view(nd, *q.shape[1:])
+    return F.scaled_dot_product_attention(qd, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=meta.decode_mask).view(
+        nd, *q.shape[1:]
+    )
 
 
 def paged_attention(
@@ -126,20 +188,7 @@ def paged_attention(
     nd = meta.num_decodes
     out = q.new_empty(q.shape) if meta.prefills else q
     if nd:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        # gathered: [nd * max_blocks, block_size, KVH, D] -> [nd, L, KVH, D]
-        kg = _gather(k_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *k.shape[1:])
-        vg = _gather(v_cache, meta.decode_block_tables.flatten(), block_size, codec).view(nd, -1, *v.shape[1:])
-        # The G query heads sharing a KV head become G query rows of that head (no GQA
-        # expansion, ~1.5x faster): [nd, H, D] -> [nd, KVH, G, D].
-        qd = q[:nd].view(nd, k.shape[1], -1, q.shape[-1])
-        if nd == 1 and meta.decode_max_len >= _SEGMENTED_DECODE_FROM:
-            length = meta.decode_max_len
-            o = _long_decode(qd, kg[:, :length], vg[:, :length]).view(nd, *q.shape[1:])
-        else:
-            o = F.scaled_dot_product_attention(
-                qd, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=meta.decode_mask
-            ).view(nd, *q.shape[1:])
+        o = _decode_rows(q[:nd], k, k_cache, v_cache, meta, block_size, codec)
         if not meta.prefills:
             return o
         out[:nd] = o

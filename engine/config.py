@@ -71,6 +71,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     kv_dtype: str = "auto"  # how the KV cache stores keys and values: engine/kv_codec.py
     weight_cache: bool = True  # prepared weights cached beside the checkpoint (engine/weight_cache.py)
+    device: str = "cpu"  # cpu, cuda[:N], auto (cuda where torch sees one) or meta (shapes only: tests)
+    cuda_graphs: bool = True  # on CUDA, decode-only steps replay captured graphs (engine/cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -83,14 +85,26 @@ class EngineConfig:
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.device not in ("cpu", "auto", "meta") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be cpu, cuda[:N], auto or meta, got {self.device!r}")
         if self.speculative not in ("", "ngram", "suffix") or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative must be '', 'ngram' or 'suffix', num_speculative_tokens >= 1, got "
                              f"{self.speculative!r}, {self.num_speculative_tokens}")  # fmt: skip
 
     @property
+    def torch_device(self) -> torch.device:
+        """The device every engine tensor lives on, `auto` resolved."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
     def weight_dtype(self) -> str:
         """The dtype, `auto` resolved for this CPU: bf16 where it has AMX, else int8 (fp32, or bf16
-        on AVX512-BF16, where torch lacks int8 kernels); see engine.linear.auto_dtype."""
+        on AVX512-BF16, where torch lacks int8 kernels); see engine.linear.auto_dtype. Off the
+        CPU, `auto` and `int8` are bf16: the int8 kernels (fbgemm) are CPU-only."""
+        if self.torch_device.type != "cpu" and self.dtype in ("auto", "int8"):
+            return "bf16"
         if self.dtype != "auto":
             return self.dtype
         from engine.linear import auto_dtype, cpu_flags, has_int8_kernels

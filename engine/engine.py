@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import GraphedDecode
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from engine.kv_cache import KVCacheManager
@@ -44,15 +45,23 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if model.device != config.torch_device:
+            raise ValueError(f"the model is on {model.device}, the engine's config says {config.torch_device}")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         codec = KVCodec.of(config.kv_dtype, model.dtype)
-        self.cache = PagedKVCache(model.config, config.num_blocks, config.block_size, model.dtype, codec)
+        graphed = config.cuda_graphs and model.device.type == "cuda"
+        # with graphs, one block more than the block manager hands out: padding rows write there
+        blocks = config.num_blocks + (1 if graphed else 0)
+        self.cache = PagedKVCache(model.config, blocks, config.block_size, model.dtype, codec, model.device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.kv)
+        if graphed:
+            widest = -(-self.max_model_len // config.block_size)
+            self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=config.num_blocks)
         self.speculator: Speculator | None = None  # prefill workers never decode: no drafts
         if config.speculative and config.role != "prefill":
             self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len, config.speculative)
@@ -72,10 +81,13 @@ class Engine:
         """Load a GGUF file or HF directory with its tokenizer; an HF directory without
         tokenizer.json gets none (token ids only: the tiny test models)."""
         config = config or EngineConfig()
-        if config.dtype == "auto":
+        device = config.torch_device
+        if device.type != "cpu":
+            log.info("device %s: %s weights and activations (int8 kernels are CPU-only)", device, config.weight_dtype)
+        elif config.dtype == "auto":
             why = auto_dtype_reason(cpu_flags(), has_int8_kernels())
             log.info("dtype auto -> %s (%s)", config.weight_dtype, why)
-        model = load_model(path, config.torch_dtype, config.weight_dtype, config.weight_cache)
+        model = load_model(path, config.torch_dtype, config.weight_dtype, config.weight_cache).to(device)
         p = Path(path)
         tokenizer = None if p.is_dir() and not (p / "tokenizer.json").exists() else Tokenizer.load(p)
         return cls(model, tokenizer, config)

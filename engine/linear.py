@@ -53,6 +53,14 @@ class Projection:
             self._wt = state["wt"]
             self.in_features, self.out_features = self._wt.shape
 
+    def to(self, device: torch.device) -> None:
+        """Move the weight to `device`. Raises ValueError for int8 (fbgemm runs on the CPU only)."""
+        if self.int8:
+            if device.type != "cpu":
+                raise ValueError(f"int8 projections run on the CPU only (fbgemm), not on {device}")
+            return
+        self._wt = self._wt.to(device)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8:
             y: torch.Tensor = torch.ops.quantized.linear_dynamic(x, self._packed, True)

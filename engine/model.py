@@ -119,6 +119,28 @@ class LlamaModel:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def to(self, device: torch.device | str) -> LlamaModel:
+        """Move every weight and table to `device` (in place; returns self). Raises ValueError
+        for an int8 model off the CPU."""
+        device = torch.device(device)
+        projections = [lw.qkv for lw in self.layers] + [lw.o for lw in self.layers]
+        projections += [lw.gate_up for lw in self.layers] + [lw.down for lw in self.layers]
+        for p in [*projections, *([self.lm_head] if self.lm_head is not None else [])]:
+            p.to(device)
+        self.layers = [
+            LayerWeights(lw.attn_norm.to(device), lw.qkv, lw.o, lw.mlp_norm.to(device), lw.gate_up, lw.down)
+            for lw in self.layers
+        ]
+        tied = self._lm_head_weight is self.embed
+        self.embed, self.norm = self.embed.to(device), self.norm.to(device)
+        self._lm_head_weight = self.embed if tied else self._lm_head_weight.to(device)
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.dtype == torch.float32:  # bit-identical to the composite below, and fewer ops
             return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)

@@ -35,7 +35,13 @@ class PagedKVCache:
     """Owns the KV tensor; reads and writes whole blocks for KV transfer."""
 
     def __init__(
-        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, codec: KVCodec | None = None
+        self,
+        model: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        codec: KVCodec | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """dtype: what attention computes in; codec: how the cache stores it (default: as is)."""
         self.codec = codec or KVCodec.of("auto", dtype)
@@ -46,26 +52,30 @@ class PagedKVCache:
         self.head_dim = model.head_dim
         self.width = self.codec.width(model.head_dim)
         self.dtype = self.codec.storage  # of the tensor: what KV transfer moves
-        self._place(
-            torch.zeros(model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width, dtype=self.dtype)
-        )
+        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width)
+        self._place(torch.zeros(shape, dtype=self.dtype, device=device))
 
     def _place(self, kv: torch.Tensor) -> None:
         self.kv = kv
         # flat views per layer: [num_blocks * block_size, kv_heads, width]
         self.k_flat = [kv[i, 0].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
         self.v_flat = [kv[i, 1].view(-1, self.num_kv_heads, self.width) for i in range(self.num_layers)]
-        # a row per (layer, k|v, block), as bytes:
+        # on the CPU, a row per (layer, k|v, block), as bytes:
         # [num_layers * 2 * num_blocks, block_size * kv_heads * width * itemsize]
-        self._rows = kv.view(torch.uint8).numpy().reshape(self.num_layers * 2 * self.num_blocks, -1)
+        on_cpu = kv.device.type == "cpu"
+        self._rows = kv.view(torch.uint8).numpy().reshape(self.num_layers * 2 * self.num_blocks, -1) if on_cpu else None
 
     def rehome(self, kv: torch.Tensor) -> None:
         """Move the cache, contents and all, into `kv`: a contiguous tensor of the same shape and
         dtype (one over shared memory: kv_transfer/in_place.py). Call it before the engine runs."""
-        if kv.shape != self.kv.shape or kv.dtype != self.dtype or not kv.is_contiguous():
+        if kv.shape != self.kv.shape or kv.dtype != self.dtype or not kv.is_contiguous() or kv.device != self.device:
             raise ValueError(f"cannot rehome a {tuple(self.kv.shape)}/{self.dtype} cache into {tuple(kv.shape)}")
         kv.copy_(self.kv)
         self._place(kv)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -94,7 +104,7 @@ class PagedKVCache:
 
     def read_blocks(self, block_ids: Sequence[int], layers: slice = slice(None)) -> torch.Tensor:
         """A copy of the given blocks: [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         return self.kv[layers].index_select(2, idx)
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor, layers: slice = slice(None)) -> None:
@@ -112,6 +122,10 @@ class PagedKVCache:
             return
         if min(block_ids) < 0 or max(block_ids) >= self.num_blocks:
             raise IndexError(f"block ids {list(block_ids)[:8]} outside [0, {self.num_blocks})")
+        if self._rows is None:  # off the CPU: the device copies
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            self.kv[span.start : span.stop].index_copy_(2, idx, data.to(self.device))
+            return
         rows = self._row_index(span, block_ids)
         # data as rows: [len(span) * 2 * len(block_ids), block bytes], in `rows` order
         self._rows[rows] = data.contiguous().view(torch.uint8).numpy().reshape(len(rows), -1)
@@ -119,6 +133,8 @@ class PagedKVCache:
     def read_blocks_serial(self, block_ids: Sequence[int]) -> torch.Tensor:
         """`read_blocks` of every layer as a serial copy (numpy, not torch), for the same reason as
         `write_blocks`: it runs off the engine loop's thread (a write-back's source)."""
+        if self._rows is None:
+            return self.read_blocks(block_ids).cpu()
         picked = self._rows[self._row_index(range(self.num_layers), block_ids)]
         return torch.from_numpy(picked).view(self.dtype).view(self.num_layers, 2, len(block_ids), *self.block_shape)
 

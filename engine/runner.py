@@ -5,13 +5,18 @@ The only torch-facing part of a step; one host sync (the sampler's .tolist()).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.cuda_graphs import GraphedDecode
+from engine.graph_buckets import DecodeBatch
 from engine.kv_cache import KVCacheManager
 from engine.model import LayerCallback, LlamaModel
 from engine.paged_cache import PagedKVCache
 from engine.sampler import Sampler, SamplerOutput
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -20,13 +25,29 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.kv = kv
-        self.sampler = Sampler()
+        self.graphs: GraphedDecode | None = None  # decode-only steps replayed on CUDA (Engine sets it)
+        # the step's one host sync: logits -> token ids (a test on the meta device, where no
+        # value can be read, puts its own here)
+        self.sampler: Callable[[torch.Tensor, Sequence[SamplingParams], Sequence[int]], SamplerOutput] = Sampler()
         self.block_size = cache.block_size
 
     def execute(self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None) -> SamplerOutput:
         """Run one step; returns one sample per completing chunk, in `out.chunks` order (a chunk
         with a draft of k tokens: k + 1 samples, one a position)."""
+        logits, completing = self.forward(out, on_layer_done)
+        # a drafted position i samples with output index n + i: the draw it would get unspeculated
+        params = [c.request.params for c in completing for _ in range(len(c.draft) + 1)]
+        index = [c.request.num_output_tokens + c.request.params.output_offset + i
+                 for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
+        return self.sampler(logits, params, index)
+
+    def forward(
+        self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """The step's model inputs, built on the cache's device, through the model: logits
+        [rows to sample, vocab] and the chunks they belong to. No host sync."""
         bs = self.block_size
+        dev = self.cache.device
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -48,11 +69,19 @@ class ModelRunner:
             if c.completes:
                 logits_rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
                 completing.append(c)
-        decode_tables = decode_mask = None
+        decode_only = bool(ids) and not out.prefills and on_layer_done is None and len(logits_rows) == len(ids)
+        if self.graphs is not None and decode_only:
+            used = [t[: -(-n // bs)] for t, n in zip(tables, lens, strict=True)]
+            graphed = self.graphs.logits(DecodeBatch(ids, pos, slots, used, lens))
+            if graphed is not None:
+                return graphed, completing
+        decode_tables = decode_mask = decode_lens = None
         if tables:
             max_blocks = max((n + bs - 1) // bs for n in lens)
-            decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables])
-            decode_mask = (torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).view(
+            padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+            decode_tables = torch.tensor(padded, device=dev)
+            decode_lens = torch.tensor(lens, device=dev)
+            decode_mask = (torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < decode_lens.unsqueeze(1)).view(
                 len(tables), 1, 1, -1
             )  # [rows, 1, 1, L]
         prefills: list[PrefillChunk] = []
@@ -63,28 +92,25 @@ class ModelRunner:
             pos.extend(range(c.start, c.end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
             needed = (c.end + bs - 1) // bs
-            prefills.append(PrefillChunk(start, len(ids), c.start, torch.tensor(table[:needed])))
+            prefills.append(PrefillChunk(start, len(ids), c.start, torch.tensor(table[:needed], device=dev)))
             if c.completes:
                 logits_rows.append(len(ids) - 1)
                 completing.append(c)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
+            slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=len(tables),
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
             decode_max_len=max(lens, default=0),
+            decode_seq_lens=decode_lens,
         )
         logits = self.model.forward(
-            torch.tensor(ids),
-            torch.tensor(pos),
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
             self.cache,
             meta,
-            torch.tensor(logits_rows, dtype=torch.long),
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
             on_layer_done,
         )
-        # a drafted position i samples with output index n + i: the draw it would get unspeculated
-        params = [c.request.params for c in completing for _ in range(len(c.draft) + 1)]
-        index = [c.request.num_output_tokens + c.request.params.output_offset + i
-                 for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
-        return self.sampler(logits, params, index)
+        return logits, completing

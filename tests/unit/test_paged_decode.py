@@ -86,3 +86,16 @@ def test_a_coded_cache_is_decoded_tile_by_tile(kind: str) -> None:
     got = paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs, codec, 4)
     want = dense_reference(q, codec.decode(k_cache), codec.decode(v_cache), tables, lens, bs)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_plain_ops_attention_with_lse_matches_the_cpu_flash_kernel(causal: bool) -> None:
+    from engine.attention import _flash_with_lse, math_with_lse
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 3, 7, 16, generator=gen)
+    k, v = torch.randn(1, 3, 7, 16, generator=gen), torch.randn(1, 3, 7, 16, generator=gen)
+    o, lse = math_with_lse(q, k, v, causal)
+    o_ref, lse_ref = _flash_with_lse(q, k, v, causal)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
