@@ -64,8 +64,12 @@ class Row:
     attainment: tuple[tuple[float, float, float], ...] = ()  # (rate, measured, simulated) a point
 
     @property
-    def error(self) -> float:
-        return abs(self.simulated - self.measured) / self.measured if self.measured else float("inf")
+    def error(self) -> float | None:
+        """|simulated - measured| / measured; 0 where both are 0 (no rate met the SLO on either
+        side), None where only the measurement is 0 (no relative error is defined)."""
+        if self.measured:
+            return abs(self.simulated - self.measured) / self.measured
+        return 0.0 if self.simulated == 0 else None
 
 
 def _spec(system: dict[str, Any], profile: EngineProfile, kv_tokens: int, config: ModelConfig) -> ClusterSpec:
@@ -216,7 +220,8 @@ def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> li
               for r in rows]  # fmt: skip
     diffs = [abs(m - s) for r in rows for _, m, s in r.attainment]
     report["points"] = points
-    report["sim_error_max"] = max((r.error for r in rows), default=None)
+    report["sim_error_max"] = max((r.error for r in rows if r.error is not None), default=None)
+    report["sim_errors_undefined"] = sum(r.error is None for r in rows)  # measured 0, simulated not
     report["attainment_error_mean"] = statistics.fmean(diffs) if diffs else None
     return rows
 
@@ -225,11 +230,14 @@ def _print(rows: list[Row], report: dict[str, Any]) -> None:
     print(f"{'mix':<16}{'system':<18}{'measured req/s':>16}{'simulated':>12}{'error':>8}"
           f"{'prefill x':>11}{'decode x':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r.mix:<16}{r.system:<18}{r.measured:>16.3f}{r.simulated:>12.3f}{r.error:>8.0%}"
+        err = "-" if r.error is None else f"{r.error:.0%}"
+        print(f"{r.mix:<16}{r.system:<18}{r.measured:>16.3f}{r.simulated:>12.3f}{err:>8}"
               f"{r.prefill_scale:>11.2f}{r.decode_scale:>10.2f}")  # fmt: skip
     if rows:
         n = sum(len(r.attainment) for r in rows)
-        print(f"largest error: {report['sim_error_max']:.0%} (target <= 25%); attainment, simulated vs measured, "
+        worst = "-" if report["sim_error_max"] is None else f"{report['sim_error_max']:.0%}"
+        print(f"largest error: {worst} (target <= 25%; {report['sim_errors_undefined']} undefined: measured 0); "
+              "attainment, simulated vs measured, "
               f"differs by {report['attainment_error_mean']:.1%} a point on average ({n} points)")  # fmt: skip
     if "step_slo" in report:
         slo = report["step_slo"]

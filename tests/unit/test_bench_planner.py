@@ -37,6 +37,14 @@ def test_replay_simulates_each_measured_point(smollm_tokenizer: Tokenizer) -> No
     assert all(r.simulated == 0.0 and r.error == 1.0 for r in slow)  # none does
 
 
+def test_a_measured_zero_has_no_relative_error_unless_the_simulation_agrees() -> None:
+    from bench.planner_bench import Row
+
+    assert Row("m", "s", measured=0.0, simulated=0.0).error == 0.0
+    assert Row("m", "s", measured=0.0, simulated=0.3).error is None
+    assert Row("m", "s", measured=2.0, simulated=1.5).error == 0.25
+
+
 def test_the_load_steps_timeline_and_recovery_time() -> None:
     from bench.load_step import recovery_s, timeline
 
