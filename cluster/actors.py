@@ -287,6 +287,7 @@ def start_worker(
         namespace=f"tandem-{namespace}",
         resources={role: 1},
         num_cpus=0,
+        num_gpus=config.num_gpus,  # Ray then makes that GPU the worker's only visible one
         max_concurrency=MAX_STREAMS,
         max_restarts=0,
         runtime_env={"env_vars": env},

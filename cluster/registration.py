@@ -58,7 +58,7 @@ class Registered:
     def _info(self) -> dict[str, Any]:
         info: dict[str, Any] = self.stats()  # type: ignore[attr-defined]
         info["node"] = socket.gethostname()
-        info["device"] = f"cpu, {torch.get_num_threads()} threads"  # the engine runs on CPU only (issue 16)
+        info.setdefault("device", f"cpu, {torch.get_num_threads()} threads")  # stats() names it once loaded
         info["healthy"] = True
         return info
 

@@ -99,6 +99,12 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def num_gpus(self) -> int:
+        """GPUs a worker running this config claims from Ray: 1 for cuda, else 0 (`auto` is
+        resolved where the worker runs, so it claims none: name `cuda` to be placed on one)."""
+        return 1 if self.device.startswith("cuda") else 0
+
+    @property
     def weight_dtype(self) -> str:
         """The dtype, `auto` resolved for this CPU: bf16 where it has AMX, else int8 (fp32, or bf16
         on AVX512-BF16, where torch lacks int8 kernels); see engine.linear.auto_dtype. Off the

@@ -82,6 +82,8 @@ class Engine:
         tokenizer.json gets none (token ids only: the tiny test models)."""
         config = config or EngineConfig()
         device = config.torch_device
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: torch sees no GPU here (a CPU wheel, or no driver)")
         if device.type != "cpu":
             log.info("device %s: %s weights and activations (int8 kernels are CPU-only)", device, config.weight_dtype)
         elif config.dtype == "auto":

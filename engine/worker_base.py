@@ -5,12 +5,15 @@ No Ray and no network here; the Ray actors in cluster/ wrap these classes.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -22,11 +25,23 @@ from engine.role_switch import switch_role
 from engine.sampling_params import SamplingParams
 from engine.torch_threads import on_spent_thread
 
+log = logging.getLogger(__name__)
+
 # How long stats() waits for the engine lock before it answers with the last figures it read.
 STATS_WAIT_S = 0.05
 # A call's last output is on its way to the caller when the call returns: idle() waits this long
 # after the last one so that a drain never ends (and kills) a worker under an output in flight.
 IDLE_SETTLE_S = 0.5
+
+
+def device_label(device: torch.device) -> str:
+    """What a worker computes on, for its registry entry and /admin/pools: "cpu, 2 threads",
+    or "cuda:0 NVIDIA H200, 141 GB"."""
+    if device.type != "cuda":
+        return f"{device.type}, {torch.get_num_threads()} threads"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return f"cuda:{index} {props.name}, {props.total_memory / 1e9:.0f} GB"
 
 
 class WorkerDraining(EngineError):
@@ -58,6 +73,7 @@ class WorkerBase:
         self._calls_lock = threading.Lock()
         self._last_call_end = float("-inf")
         self.load_s = time.monotonic() - t
+        log.info("worker %s (%s) on %s", worker_id, self.role, device_label(self.engine.cache.device))
 
     def ping(self) -> str:
         return self.worker_id
@@ -148,6 +164,7 @@ class WorkerBase:
                 "free_blocks": e.kv.num_free_blocks,
                 "num_blocks": e.config.num_blocks,
                 "kv_usage": e.kv.usage,
+                "device": device_label(e.cache.device),
                 **(e.speculator.stats() if e.speculator is not None else {}),
             }
         finally:

@@ -62,6 +62,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "per-token-head scaled codes, about a quarter of fp32's bytes (lossy: see the README)",
     )
     ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm", "auto"])
+    ap.add_argument(
+        "--device",
+        default=env("TANDEM_DEVICE", "cpu"),
+        choices=["cpu", "cuda", "auto"],
+        help="what workers compute on: cuda claims one GPU a worker from Ray (bf16; see the README's GPU "
+        "section, not yet run on a GPU); auto: cuda where the worker finds one, claiming none",
+    )
     ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     ap.add_argument(
         "--threads",
@@ -228,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             num_threads=threads or None,
             speculative="" if args.speculative == "off" else args.speculative,
             kv_dtype=args.kv_dtype,
+            device=args.device,
         ),
         transport=args.transport,
         kv_tls=_kv_tls(args),

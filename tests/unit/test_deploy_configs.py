@@ -22,9 +22,11 @@ def test_ray_accepts_the_cluster_config(path: Path) -> None:
 def test_roles_are_advertised() -> None:
     aws = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
     types = aws["available_node_types"]
-    assert types["prefill_h100"]["resources"] == {"prefill": 8}
-    assert types["decode_h200"]["resources"] == {"decode": 8}
+    assert types["prefill_h100"]["resources"] == {"prefill": 8, "GPU": 8}
+    assert types["decode_h200"]["resources"] == {"decode": 8, "GPU": 8}
     assert "tandem serve" in " ".join(aws["head_start_ray_commands"])
+    assert "TANDEM_DEVICE=cuda" in " ".join(aws["head_start_ray_commands"])  # a worker a GPU
+    assert "whl/cu" in " ".join(aws["worker_setup_commands"])  # the CUDA wheel on GPU nodes
 
 
 def test_the_autoscaler_section_is_opt_in() -> None:

@@ -97,3 +97,18 @@ def test_int8_weights_stay_on_the_cpu_and_a_model_must_match_its_engine() -> Non
     assert int8.to("cpu").device.type == "cpu"
     with pytest.raises(ValueError, match="the model is on cpu"):
         Engine(int8, None, EngineConfig(dtype="fp32", device="meta"))
+
+
+def test_a_worker_claims_a_gpu_only_for_cuda_and_names_its_device() -> None:
+    from engine.worker_base import device_label
+
+    assert EngineConfig(device="cuda").num_gpus == 1 and EngineConfig(device="cuda:1").num_gpus == 1
+    assert EngineConfig().num_gpus == 0 and EngineConfig(device="auto").num_gpus == 0
+    assert device_label(torch.device("cpu")) == f"cpu, {torch.get_num_threads()} threads"
+
+
+def test_cuda_without_a_gpu_is_a_clear_error() -> None:
+    from engine.model_files import default_model_path
+
+    with pytest.raises(ValueError, match="torch sees no GPU"):
+        Engine.from_path(default_model_path(), EngineConfig(device="cuda"))

@@ -81,6 +81,7 @@ def test_abort_mid_stream_frees_blocks(workers: tuple[PrefillWorker, DecodeWorke
     gen.close()  # the caller went away
     c.check_integrity()
     assert c.stats()["free_blocks"] == 128
+    assert c.stats()["device"].startswith("cpu, ")  # what /admin/pools shows
     res = d.reserve("y", 10)
     d.release("y")
     with pytest.raises(KVTransferError):
