@@ -14,23 +14,26 @@ empty: a worker whose `heartbeat()` returns False must `register_worker()` again
 re-publish its blocks. The client reconnects by itself with exponential backoff.
 
 Every method but `ping()` raises StateUnavailable when Redis cannot be reached or does not
-answer in time, so a caller handles one exception (the router answers 503 with it).
+answer in time, so a caller handles one exception (the router answers 503 with it). The
+prefix-block index is cluster/prefix_index.py, the client and its errors cluster/state_store.py.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from engine.errors import EngineError
+from cluster.prefix_index import PrefixIndex
+from cluster.state_store import StateUnavailable, unavailable_as_state_error
+
+__all__ = ["ROLES", "ClusterState", "StateUnavailable"]
 
 ROLES = frozenset({"prefill", "decode", "colocated"})
 EVENTS_MAXLEN = 10_000
@@ -60,34 +63,6 @@ return pruned
 """
 
 
-class StateUnavailable(EngineError):
-    """The cluster's state store (Redis) did not answer in time. Serving goes on from the last
-    known state; what needs the store (admin calls, scaling) fails with this until it is back."""
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _unavailable_as_state_error(
-    method: Callable[Concatenate[ClusterState, _P], _R],
-) -> Callable[Concatenate[ClusterState, _P], _R]:
-    """Raise Redis connection and timeout errors (after the client's retries) as StateUnavailable.
-
-    A refused password is a configuration error, not an outage: it propagates as it is."""
-
-    @functools.wraps(method)
-    def call(self: ClusterState, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return method(self, *args, **kwargs)
-        except redis.AuthenticationError:
-            raise
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            raise StateUnavailable(f"cluster state store at {self.address} unavailable: {e}") from e
-
-    return call
-
-
 def _ttl_ms(ttl_s: float) -> int:
     if not ttl_s > 0:
         raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -102,7 +77,7 @@ def _encode_field(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-class ClusterState:
+class ClusterState(PrefixIndex):
     """Client for one namespace of cluster state. Thread-safe (redis-py's connection pool).
 
     Raises ValueError for a namespace that is empty or has characters outside
@@ -146,12 +121,9 @@ class ClusterState:
         self._heartbeat = self._r.register_script(_HEARTBEAT_LUA)
         self._prune = self._r.register_script(_PRUNE_LUA)
 
-    def key(self, *parts: str) -> str:
-        return self._prefix + ":".join(parts)
-
     # ---- worker registry -------------------------------------------------
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def register_worker(self, worker_id: str, info: dict[str, Any], ttl_s: float | None = None) -> None:
         """(Re)create the worker's entry with exactly `info` (JSON-serialisable values) plus `last_seen`.
 
@@ -168,7 +140,7 @@ class ClusterState:
         pipe.sadd(self.key("workers"), worker_id)
         pipe.execute()
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def heartbeat(self, worker_id: str, info: dict[str, Any] | None = None, ttl_s: float | None = None) -> bool:
         """Extend the worker's TTL and merge `info` into its entry, atomically.
 
@@ -182,7 +154,7 @@ class ClusterState:
             argv += [field, value]
         return bool(self._heartbeat(keys=[self.key("worker", worker_id)], args=argv))
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def workers(self, role: str | None = None) -> dict[str, dict[str, Any]]:
         """Live workers (TTL not expired), optionally only those whose info has `role`.
 
@@ -211,7 +183,7 @@ class ClusterState:
             self._prune(keys=keys, args=dead)
         return live
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def deregister_worker(self, worker_id: str) -> None:
         """Remove the worker's entry and its prefix-block index. Idempotent."""
         pipe = self._r.pipeline(transaction=True)
@@ -222,7 +194,7 @@ class ClusterState:
 
     # ---- desired pool sizes ----------------------------------------------
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def set_desired(self, role: str | Mapping[str, int], replicas: int = 0) -> None:
         """Set the desired replica count of a pool, or of several in one write ({role: replicas}).
         Raises ValueError for an unknown role or replicas < 0."""
@@ -234,72 +206,15 @@ class ClusterState:
                 raise ValueError(f"replicas must be an int >= 0, got {n!r}")
         self._r.hset(self.key("desired"), mapping=cast(dict[Any, Any], sizes))
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def desired(self) -> dict[str, int]:
         """Desired replicas per role; roles never set are absent."""
         raw = cast(dict[str, str], self._r.hgetall(self.key("desired")))
         return {role: int(n) for role, n in raw.items()}
 
-    # ---- prefix-block index ----------------------------------------------
-
-    @_unavailable_as_state_error
-    def add_blocks(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """Record that `worker_id` holds the KV blocks with these hashes."""
-        if not hashes:
-            return
-        pipe = self._r.pipeline(transaction=True)
-        pipe.sadd(self.key("blocks", worker_id), *(str(h) for h in hashes))
-        pipe.sadd(self.key("block_workers"), worker_id)
-        pipe.execute()
-
-    @_unavailable_as_state_error
-    def remove_blocks(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """Forget these hashes for `worker_id` (evicted blocks). Unknown hashes are ignored."""
-        if hashes:
-            self._r.srem(self.key("blocks", worker_id), *(str(h) for h in hashes))
-
-    @_unavailable_as_state_error
-    def drop_worker_blocks(self, worker_id: str) -> None:
-        """Forget every block of `worker_id` (it restarted or cleared its cache)."""
-        pipe = self._r.pipeline(transaction=True)
-        pipe.delete(self.key("blocks", worker_id))
-        pipe.srem(self.key("block_workers"), worker_id)
-        pipe.execute()
-
-    @_unavailable_as_state_error
-    def longest_prefix(self, hashes: Sequence[int], workers: Sequence[str] | None = None) -> dict[str, int]:
-        """For each worker, how many leading hashes of the chain `hashes` it holds (stops at the first miss).
-
-        `workers=None` means every live worker that has published blocks; an explicit list
-        is answered as given, zeros included, without a liveness check. Two round trips
-        at most, whatever the chain length: SMISMEMBER for every worker in one pipeline.
-        """
-        members = [str(h) for h in hashes]
-        live_check = workers is None
-        if workers is None:
-            workers = sorted(cast(set[str], self._r.smembers(self.key("block_workers"))))
-        if not workers:
-            return {}
-        if not members and not live_check:
-            return dict.fromkeys(workers, 0)
-        pipe = self._r.pipeline(transaction=False)
-        for worker_id in workers:
-            if live_check:
-                pipe.exists(self.key("worker", worker_id))
-            if members:
-                pipe.smismember(self.key("blocks", worker_id), members)
-        replies = iter(pipe.execute())
-        result: dict[str, int] = {}
-        for worker_id in workers:
-            alive = bool(next(replies)) if live_check else True
-            hits = cast(list[int], next(replies)) if members else []
-            if alive:
-                result[worker_id] = next((i for i, hit in enumerate(hits) if not hit), len(hits))
-        return result
-
     # ---- events ----------------------------------------------------------
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def emit(self, /, kind: str, **fields: Any) -> str:
         """Append an event (`kind`, `ts`, and `fields`; non-str values JSON-encoded); returns its stream id.
 
@@ -310,7 +225,7 @@ class ClusterState:
         event_id = self._r.xadd(self.key("events"), entry, maxlen=EVENTS_MAXLEN, approximate=True)  # type: ignore[arg-type]
         return cast(str, event_id)
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def events(self, since: str = "0-0", count: int = 100) -> list[tuple[str, dict[str, str]]]:
         """Up to `count` events strictly after stream id `since` (""; the newest), oldest first."""
         Entries = list[tuple[str, dict[str, str]]]
@@ -329,7 +244,7 @@ class ClusterState:
         except redis.RedisError:
             return False
 
-    @_unavailable_as_state_error
+    @unavailable_as_state_error
     def flush_namespace(self) -> int:
         """Delete every key of this namespace (and no other); returns how many were deleted."""
         deleted = 0
