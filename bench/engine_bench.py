@@ -47,7 +47,7 @@ def ours(engine: Engine, prompts: list[list[int]], new: int) -> float:
 
 
 def theirs(hf: Any, prompts: list[list[int]], new: int) -> float:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf.device)
 
     def run() -> None:
         with torch.inference_mode():
@@ -59,6 +59,8 @@ def theirs(hf: Any, prompts: list[list[int]], new: int) -> float:
                 do_sample=False,
                 pad_token_id=0,
             )
+        if ids.is_cuda:
+            torch.cuda.synchronize()  # generate returns before the GPU is done
 
     return timed(run)
 
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-ref", action="store_true", help="skip HF transformers")
+    ap.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda", "auto"], help="ours and HF's (cuda: bf16 unless --dtype)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"], help="KV cache")
     ap.add_argument("--no-long", action="store_true", help="skip the 4K/8K prefill and 8K-context decode rows")
@@ -113,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem bench engine: {e}", file=sys.stderr)
             return 2
     t = time.perf_counter()
-    config = EngineConfig(dtype=args.dtype, num_blocks=4096, max_num_seqs=128, kv_dtype=args.kv_dtype)
-    engine = Engine.from_path(path, config)
+    config = EngineConfig(
+        dtype=args.dtype, num_blocks=4096, max_num_seqs=128, kv_dtype=args.kv_dtype, device=args.device
+    )
+    try:
+        engine = Engine.from_path(path, config)
+    except ValueError as e:  # e.g. --device cuda where torch sees no GPU
+        print(f"tandem bench engine: {e}", file=sys.stderr)
+        return 2
     load_s = time.perf_counter() - t
     new = args.new_tokens
     dtype_name = engine.config.weight_dtype
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         res["prefill_8k_tok_s"] = prefill_rate(run_ours, long_rows[1][1])
         res["decode_8k_tok_s"] = decode_rate(run_ours, long_rows[2][1], new)
     res.update(peers.measure(peer, decode_rate, prefill_rate, short, long, new, long_rows))
-    res.update(ref_decode_tok_s=None, ref_prefill_tok_s=None, ref_batch16_tok_s=None)
+    res.update(ref_decode_tok_s=None, ref_prefill_tok_s=None, ref_batch16_tok_s=None, ref_batch64_tok_s=None)
     if not args.no_ref:
         from transformers import AutoModelForCausalLM
 
@@ -153,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             if p is not None
             else AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         )
+        hf.to(engine.cache.device)  # type: ignore[arg-type]  # (transformers' stubs type .to oddly)
         hf.eval()  # type: ignore[no-untyped-call]
         if dtype_name == "int8":  # the same W8A8 dynamic kernels as ours, on HF's module graph
             hf = torch.ao.quantization.quantize_dynamic(hf, {torch.nn.Linear}, dtype=torch.qint8)  # type: ignore[no-untyped-call]
@@ -164,11 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         res["ref_decode_tok_s"] = decode_rate(run_ref, short[:1], new)
         res["ref_prefill_tok_s"] = prefill_rate(run_ref, long)
         res["ref_batch16_tok_s"] = 16 * new / theirs(hf, short[:16], new)
-    res_meta = {"dtype": dtype_name, "kv_dtype": engine.cache.codec.kind, "threads": args.threads, "peer": args.peer}
+        if engine.cache.device.type == "cuda":  # the GPU target's batch (minutes on a CPU)
+            res["ref_batch64_tok_s"] = 64 * new / theirs(hf, short[:64], new)
+    res_meta = {"dtype": dtype_name, "kv_dtype": engine.cache.codec.kind, "threads": args.threads, "peer": args.peer,
+                "device": str(engine.cache.device)}  # fmt: skip
     if args.json:
         print(json.dumps(res_meta | {k: round(v, 2) if v is not None else None for k, v in res.items()}))
     else:
-        print(f"engine bench: {dtype_name}, KV {engine.cache.codec.kind}, {args.threads} threads, model {path} "
+        print(f"engine bench: {dtype_name} on {engine.cache.device}, KV {engine.cache.codec.kind}, {args.threads} "
+              f"threads, model {path} "
               f"(loaded in {load_s:.2f} s)")  # fmt: skip
         print(peers.header(peer.label if peer else None))
         for label, key in [
