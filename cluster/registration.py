@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cluster.state import ClusterState, StateUnavailable
+from engine.worker_base import device_label
 
 HEARTBEAT_S = 0.5
 TTL_S = 3.0
@@ -58,7 +59,7 @@ class Registered:
     def _info(self) -> dict[str, Any]:
         info: dict[str, Any] = self.stats()  # type: ignore[attr-defined]
         info["node"] = socket.gethostname()
-        info.setdefault("device", f"cpu, {torch.get_num_threads()} threads")  # stats() names it once loaded
+        info.setdefault("device", device_label(torch.device("cpu")))  # stats() names it once loaded
         info["healthy"] = True
         return info
 
