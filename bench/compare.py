@@ -59,6 +59,7 @@ class System:
     decode: int
     colocated: int
     threads: int
+    router: tuple[tuple[str, int], ...] = ()  # RouterSettings fields this system's router overrides
 
     @property
     def pd(self) -> bool:
@@ -72,6 +73,7 @@ class System:
 COLOCATED_1X2 = System("colocated 1x2t", 0, 0, 1, 2)
 COLOCATED_2X1 = System("colocated 2x1t", 0, 0, 2, 1)
 PD = System("P/D 1P+1D 1t", 1, 1, 0, 1)
+PD_NO_SPILL = System("P/D 1P+1D 1t, no spill", 1, 1, 0, 1, (("spill_streams", 0),))  # the spill route's baseline
 
 _CHAT = MIXES["chat"]
 
@@ -142,7 +144,7 @@ def run_system(
         engine=EngineConfig(num_blocks=plan.num_blocks, num_threads=system.threads),
     )
     out: dict[str, MixRun] = {}
-    with running_cluster(config) as cluster, serving(cluster) as url:
+    with running_cluster(config) as cluster, serving(cluster, False, **dict(system.router)) as url:
         target = Target(url, asyncio.run(first_model(url)), timeout_s=REQUEST_TIMEOUT_S)
         for name, mix in plan.mixes.items():
             mix_seed = seed + MIX_SEED_STRIDE * list(FULL.mixes).index(name)
@@ -169,12 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--no-spill-too", action="store_true", help="also run P/D with the spill route off: its baseline, same rates"
+    )
     args = ap.parse_args(argv)
     if not ready_to_serve("tandem bench compare"):
         return 2
     plan = QUICK if args.quick else FULL
     if args.mix:
         plan = replace(plan, mixes={k: m for k, m in plan.mixes.items() if k in args.mix})
+    if args.no_spill_too:
+        plan = replace(plan, systems=(*plan.systems, PD_NO_SPILL))
     scales = (args.ttft_scale, args.tpot_scale)
     t0 = time.monotonic()
     base: dict[str, float] = {}

@@ -10,7 +10,8 @@ looked emptiest (LESSONS 8). The ledger is updated on the request path itself:
                                                   an unused one lapses after HOLD_S
     begin(rid, route, blocks, prefill_tokens)     decode: +1 stream, +blocks
                                                   prefill: +prefill_tokens queued
-    prefilled(rid, uncached_tokens, seconds)      prefill: -prefill_tokens; the per-token cost learns
+    prefilled(rid, uncached_tokens, seconds)      prefill: -prefill_tokens; the per-token cost learns,
+                                                  and the longest prefill of the last RECENT_S
     end(rid)                                      whatever is still counted for rid is taken back
 
 `reconcile(live)` forgets workers that left the registry. Bookkeeping only: no Ray, no I/O.
@@ -20,22 +21,27 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a worker has been measured: ~1,000 tok/s on a CPU
 HOLD_S = 5.0
+RECENT_S = 60.0  # how long a prefill counts in WorkerLoad.longest_prefill_s
 _EWMA = 0.2
 
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """One worker's in-flight work as this router counts it."""
+    """One worker's in-flight work as this router counts it. `longest_prefill_s`: the longest
+    prefill it ran for this router in the last RECENT_S (how long a step there may stall the
+    streams it decodes)."""
 
     streams: int = 0
     blocks: int = 0
     prefill_tokens: int = 0
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
+    longest_prefill_s: float = 0.0
 
 
 @dataclass
@@ -58,6 +64,8 @@ class InflightLedger:
         self._blocks: dict[str, int] = {}
         self._tokens: dict[str, int] = {}
         self._cost: dict[str, float] = {}
+        # worker -> (at, prefill seconds), the seconds decreasing: the first is the longest
+        self._recent: dict[str, deque[tuple[float, float]]] = {}
 
     def hold(self, decode: str, prefill: str | None, blocks: int, prefill_tokens: int) -> None:
         """Count a route just picked until a begin() on the same workers takes it over."""
@@ -102,6 +110,11 @@ class InflightLedger:
                 return
             _add(self._tokens, e.prefill, -e.prefill_tokens)
             e.prefill_tokens = 0
+            if seconds > 0:  # a sliding-window maximum: what a later, longer prefill outlasts goes
+                recent = self._recent.setdefault(e.prefill, deque())
+                while recent and recent[-1][1] <= seconds:
+                    recent.pop()
+                recent.append((self._clock(), seconds))
             if uncached_tokens > 0 and seconds > 0:
                 old = self._cost.get(e.prefill, DEFAULT_PREFILL_S_PER_TOKEN)
                 self._cost[e.prefill] = (1 - _EWMA) * old + _EWMA * seconds / uncached_tokens
@@ -137,8 +150,9 @@ class InflightLedger:
         for rid in gone:
             self.end(rid)
         with self._lock:
-            for w in known - alive:
+            for w in (known | set(self._recent)) - alive:
                 self._cost.pop(w, None)
+                self._recent.pop(w, None)
         return gone
 
     def __len__(self) -> int:
@@ -169,8 +183,15 @@ class InflightLedger:
     def _load(self, w: str) -> WorkerLoad:
         # an unmeasured worker is assumed as fast as the measured ones on average
         default = sum(self._cost.values()) / len(self._cost) if self._cost else DEFAULT_PREFILL_S_PER_TOKEN
+        recent = self._recent.get(w)
+        while recent and recent[0][0] <= self._clock() - RECENT_S:
+            recent.popleft()
         return WorkerLoad(
-            self._streams.get(w, 0), self._blocks.get(w, 0), self._tokens.get(w, 0), self._cost.get(w, default)
+            self._streams.get(w, 0),
+            self._blocks.get(w, 0),
+            self._tokens.get(w, 0),
+            self._cost.get(w, default),
+            recent[0][1] if recent else 0.0,
         )
 
 

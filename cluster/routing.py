@@ -13,6 +13,9 @@ cliff. `plan_route` puts them together, with conditional disaggregation:
     local       a decode worker holds more of the prompt than any prefill worker (a conversation's
                 history and the last answer, which it wrote) and the rest is short: the request
                 runs whole there, prefilling only the rest (`pick_local`)
+    spill       the decode worker has more streams than the prefill worker by a margin, and the
+                prefill worker has no long prefill to stall them with: a short prompt runs whole
+                on the prefill worker, whose core otherwise idles between short prefills (`spills`)
     colocated   the prompt's uncached part is short: it runs whole on a colocated worker
     P/D         otherwise: prefill on a prefill worker, KV to a decode worker
 
@@ -138,24 +141,37 @@ class RoutingPolicy:
     instead: 1024 is about a second of waiting on one CPU core, against one stretched step for
     the decode worker's streams. Lower, and a prefill-heavy load moves its prefills into the
     decode steps and their TPOT (measured: 256 let 1 request in 8 miss a 2x TPOT SLO).
+
+    spill_streams: the decode worker's streams over the prefill worker's from which a prompt
+    shorter than `local_below_tokens` runs whole on the prefill worker (0 turns spilling off),
+    when neither what is queued there (`prefill_eta`) nor any prefill there lately
+    (`WorkerLoad.longest_prefill_s`) takes `spill_stall_s`: every prefill step there stalls the
+    streams it decodes, and a 2K-token prompt on one CPU core is a 5 s stall. Decode-heavy
+    traffic (short prompts, long answers) then decodes on both workers' cores, as colocated
+    serving does; traffic with long prompts keeps its streams on the decode worker.
     """
 
     colocate_below_tokens: int = 0
     local_below_tokens: int = 256
     busy_prefill_tokens: int = 1024
+    spill_streams: int = 2
+    spill_stall_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.colocate_below_tokens < 0:
             raise ValueError("colocate_below_tokens must be >= 0")
         if self.local_below_tokens < 0 or self.busy_prefill_tokens < 0:
             raise ValueError("local_below_tokens and busy_prefill_tokens must be >= 0")
+        if self.spill_streams < 0 or self.spill_stall_s < 0:
+            raise ValueError("spill_streams and spill_stall_s must be >= 0")
 
 
 @dataclass(frozen=True)
 class Route:
     """Where one request runs. `prefill` None: the whole request runs on `decode` with no
-    transfer: a colocated worker, or with `local` a decode worker (`WorkerBase.start`).
-    `cached_tokens`: the prefix the index says `prefill` (`decode` when local) holds."""
+    transfer: a colocated worker, or with `local` a decode worker or a prefill worker it spilled
+    to (`WorkerBase.start`). `cached_tokens`: the prefix the index says `prefill` (`decode` when
+    local) holds."""
 
     decode: str
     prefill: str | None = None
@@ -203,6 +219,19 @@ def pick_local(
     return None if best is None else (best[1], best[2])
 
 
+def spills(prefill: WorkerView, decode: WorkerView, uncached: int, blocks_needed: int, policy: RoutingPolicy) -> bool:
+    """Whether a prompt with `uncached` tokens to compute runs whole on `prefill` rather than
+    on the pair (see RoutingPolicy.spill_streams)."""
+    return (
+        policy.spill_streams > 0
+        and uncached < policy.local_below_tokens
+        and prefill_eta(prefill, 0, 0) < policy.spill_stall_s
+        and prefill.load.longest_prefill_s < policy.spill_stall_s
+        and prefill.free >= blocks_needed
+        and decode.streams - prefill.streams >= policy.spill_streams
+    )
+
+
 def plan_route(
     workers: Sequence[WorkerView],
     cached_blocks: Mapping[str, int],
@@ -214,25 +243,31 @@ def plan_route(
 ) -> Route | None:
     """Decode (capacity) and prefill (cached prefix, then queue) for one request; or the whole
     request on a decode worker, when what it lacks of the prompt is short and it holds more of it
-    than the prefill pool or the prefill worker is busy (local, see RoutingPolicy); or on a
+    than the prefill pool or the prefill worker is busy (local, see RoutingPolicy), or on the
+    prefill worker, when the decode worker has the more streams by a margin (spill); or on a
     colocated worker when the uncached part is short or no P/D pair is available; or local when
     nothing else is. `cached_blocks`: the prefix index's answer for prefill and decode workers.
     None: nowhere to run."""
     policy = policy or RoutingPolicy()
+    by_id = {w.worker_id: w for w in workers}
     blocks = -(-(prompt_tokens + max_tokens) // block_size)
     prefill = pick_prefill(workers, cached_blocks, prompt_tokens, block_size, exclude)
     cached = min(cached_blocks.get(prefill, 0) * block_size, prompt_tokens) if prefill is not None else 0
     found = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, policy.local_below_tokens, exclude)
     local = Route(decode=found[0], cached_tokens=found[1], local=True) if found is not None else None
-    if local is not None and prefill is not None:
-        queued = next(w.load.prefill_tokens for w in workers if w.worker_id == prefill)
-        if local.cached_tokens > cached or queued >= policy.busy_prefill_tokens:
-            return local
+    if (
+        local is not None
+        and prefill is not None
+        and (local.cached_tokens > cached or by_id[prefill].load.prefill_tokens >= policy.busy_prefill_tokens)
+    ):
+        return local
     colocated = pick_colocated(workers, blocks, exclude)
     if colocated is not None and prompt_tokens - cached < policy.colocate_below_tokens:
         return Route(decode=colocated)
     decode = pick_decode(workers, blocks, exclude)
     if prefill is not None and decode is not None:
+        if spills(by_id[prefill], by_id[decode], prompt_tokens - cached, blocks, policy):
+            return Route(decode=prefill, cached_tokens=cached, local=True)
         return Route(decode=decode, prefill=prefill, cached_tokens=cached)
     if colocated is not None:
         return Route(decode=colocated)

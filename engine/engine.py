@@ -5,7 +5,8 @@
 Roles (EngineConfig.role):
   both     whole requests.
   prefill  a request stops after its first token; its KV blocks stay held and are
-           described by RequestOutput.kv until `release(request_id)`.
+           described by RequestOutput.kv until `release(request_id)`. One added `whole`
+           runs to its end, as under `both`.
   decode   as `both`, plus requests whose prompt KV was written from outside:
            `reserve()` blocks, write them through `cache`, then `add_prefilled_request()`.
 """
@@ -96,9 +97,13 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> None:
-        """Validate and queue a request. Raises InvalidRequestError (or PromptTooLongError)."""
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, whole: bool = False
+    ) -> None:
+        """Validate and queue a request; `whole`: run it to its end even on a prefill engine (the
+        router spilled it there). Raises InvalidRequestError (or PromptTooLongError)."""
         req = self._new_request(request_id, prompt, params)
+        req.hands_off = self.config.role == "prefill" and not whole
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
@@ -289,7 +294,7 @@ class Engine:
         if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
         handoff = None
-        if reason is None and self.config.role == "prefill":
+        if reason is None and req.hands_off:
             reason = "prefill_done"
             handoff = KVHandoff(self.kv.block_table(req.request_id), req.num_prompt_tokens)
         if reason is not None:

@@ -34,6 +34,7 @@ class Request:
     draft: tuple[int, ...] = ()  # tokens to verify in the next step (engine/speculation.py)
     num_draft_tokens: int = 0  # draft tokens verified so far, and accepted
     num_accepted_tokens: int = 0
+    hands_off: bool = False  # a prefill engine's: it stops at its first token, its blocks held for the transfer
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -126,7 +126,9 @@ class WorkerBase:
         """`_run_whole`, its outputs going to `subscriber`'s outbox (`take_outputs`); returns once
         the request is queued. Raises InvalidRequestError, WorkerDraining."""
         self._check_open()
-        self._open_into(subscriber, request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
+        self._open_into(
+            subscriber, request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params, whole=True)
+        )
 
     def _open_into(self, subscriber: str, request_id: str, add: Callable[[], Any]) -> None:
         sink = self.outboxes.sink(subscriber, request_id)

@@ -90,6 +90,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(0: off; default: RoutingPolicy's)",
     )
     ap.add_argument(
+        "--spill-streams",
+        type=int,
+        default=None,
+        help="streams a decode worker has over an idle prefill worker from which a short prompt runs whole "
+        "on the prefill worker (0: off; default: RoutingPolicy's)",
+    )
+    ap.add_argument(
         "--speculative",
         default=env("TANDEM_SPECULATIVE", "off"),
         choices=["off", "ngram", "suffix"],
@@ -216,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running=args.max_running,
         colocate_below_tokens=args.colocate_below,
         **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),
+        **({"spill_streams": args.spill_streams} if args.spill_streams is not None else {}),
         allow_loopback_admin=args.allow_loopback_admin,
         **({"admin_token": args.admin_token} if args.admin_token else {}),
     )

@@ -40,6 +40,7 @@ class RouterSettings(BaseModel):
     max_replicas: int = Field(default=64, ge=1)
     colocate_below_tokens: int = Field(default=0, ge=0)
     local_below_tokens: int = Field(default=RoutingPolicy.local_below_tokens, ge=0)  # see RoutingPolicy
+    spill_streams: int = Field(default=RoutingPolicy.spill_streams, ge=0)  # see RoutingPolicy
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     min_priority: int = -100
     max_priority: int = 100
@@ -47,7 +48,11 @@ class RouterSettings(BaseModel):
     @property
     def routing_policy(self) -> RoutingPolicy:
         """The cluster's routing policy these settings ask for."""
-        return RoutingPolicy(self.colocate_below_tokens, self.local_below_tokens)
+        return RoutingPolicy(
+            colocate_below_tokens=self.colocate_below_tokens,
+            local_below_tokens=self.local_below_tokens,
+            spill_streams=self.spill_streams,
+        )
 
     @model_validator(mode="after")
     def _priority_range(self) -> RouterSettings:

@@ -175,6 +175,25 @@ def test_next_turn_runs_on_the_decode_worker_that_wrote_the_answer(cluster: Clus
     cluster.check_integrity()
 
 
+def test_a_short_prompt_spills_whole_to_the_prefill_worker(cluster: Cluster, engine_fp32: Engine) -> None:
+    """With the decode worker ahead by `spill_streams` (here two routes just picked, each held in
+    the ledger), a short prompt runs whole on the prefill worker: a cold run's tokens, no KV
+    moved, every block freed after. (The guard against long prefills is unit-tested.)"""
+    ids = chat(engine_fp32, "Name a river in Asia.")
+    policy = RoutingPolicy(spill_stall_s=float("inf"))
+    assert all(cluster.route(ids, GREEDY, policy=policy).prefill is not None for _ in range(2))
+    spill = cluster.route(ids, GREEDY, policy=policy)
+    assert spill.local and spill.prefill is None
+    assert {w["worker_id"]: w["role"] for w in cluster.workers()}[spill.decode] == "prefill"
+    outs = list(cluster.generate(ids, GREEDY, route=spill))
+    placement = outs[0].placement
+    assert placement is not None and placement.prefill_worker == placement.decode_worker == spill.decode
+    assert placement.transfer_bytes == 0
+    assert tokens_of(outs) == engine_fp32.generate([ids], GREEDY)[0].token_ids
+    cluster.check_integrity()
+    until(lambda: cluster.ledger.num_holds == 0, 10, "the two unused routes' holds to lapse")
+
+
 def test_write_back_puts_the_answer_in_the_prefill_workers_cache(cluster: Cluster, engine_fp32: Engine) -> None:
     """Option (b) of multi-turn reuse: after a P/D turn, the decode worker copies the answer's KV to
     the prefill worker; turn 2 on P/D (local route off) then prefills only its new message there."""

@@ -193,6 +193,27 @@ def test_prefill_then_decode_from_kv_equals_one_engine(tiny_model: LlamaModel, n
     assert prefill.kv.num_requests == 0
 
 
+def test_a_prefill_engine_runs_a_whole_request_to_its_end(tiny_model: LlamaModel) -> None:
+    """A request the router spilled to a prefill worker (`whole`) decodes there to its end, the
+    same tokens as alone, its blocks freed; the next plain request still stops at its first."""
+    prefill = make_engine(tiny_model, num_blocks=64, role="prefill", max_num_batched_tokens=9)
+    p = prompts(1, seed=5)[0]
+    prefill.add_request("w", p, GREEDY, whole=True)
+    prefill.add_request("h", p, GREEDY)
+    outs: list[RequestOutput] = []
+    while prefill.has_unfinished():
+        outs += prefill.step()
+        prefill.check_integrity()
+    whole = [o for o in outs if o.request_id == "w"]
+    assert [t for o in whole for t in o.new_token_ids] == alone(tiny_model, p, GREEDY)
+    assert whole[-1].finish_reason in ("stop", "length") and whole[-1].kv is None
+    (handoff,) = [o for o in outs if o.request_id == "h"]
+    assert handoff.finish_reason == "prefill_done" and handoff.kv is not None
+    assert prefill.release("h")
+    prefill.check_integrity()
+    assert prefill.kv.num_requests == 0
+
+
 def test_reservation_release_frees_blocks(tiny_model: LlamaModel) -> None:
     e = make_engine(tiny_model, num_blocks=16, role="decode")
     assert e.reserve("r", 10) == [0, 1, 2]

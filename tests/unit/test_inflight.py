@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.inflight import DEFAULT_PREFILL_S_PER_TOKEN, InflightLedger, WorkerLoad
+from cluster.inflight import DEFAULT_PREFILL_S_PER_TOKEN, RECENT_S, InflightLedger, WorkerLoad
 
 
 def test_begin_prefilled_end_counts_exactly() -> None:
@@ -92,3 +92,24 @@ def test_a_burst_routed_before_any_start_still_splits_evenly() -> None:
         led.begin(f"r{i}", r.decode, r.prefill, 4, 40)
     led.check_integrity()
     assert led.load("d1").streams == led.load("d2").streams == 16 and led.num_holds == 0
+
+
+def test_longest_prefill_is_a_sliding_window_maximum() -> None:
+    """`longest_prefill_s` is the longest prefill a worker ran in the last RECENT_S: what a step
+    there may stall the streams it decodes for (the spill route's guard)."""
+    now = [0.0]
+    led = InflightLedger(clock=lambda: now[0])
+    for i, (at, seconds) in enumerate(((0.0, 0.2), (10.0, 5.0), (20.0, 0.3), (30.0, 0.1))):
+        now[0] = at
+        led.begin(f"r{i}", "d1", "p1", 1, 100)
+        led.prefilled(f"r{i}", 100, seconds)
+        led.end(f"r{i}")
+        led.check_integrity()
+    assert led.load("p1").longest_prefill_s == 5.0
+    assert led.load("d1").longest_prefill_s == 0.0
+    now[0] = 10.0 + RECENT_S  # the 5 s prefill leaves the window; the 0.3 s one is the longest left
+    assert led.load("p1").longest_prefill_s == 0.3
+    now[0] = 30.0 + RECENT_S
+    assert led.load("p1").longest_prefill_s == 0.0
+    led.reconcile({"d1"})
+    assert led.load("p1").longest_prefill_s == 0.0
