@@ -174,12 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-spill-too", action="store_true", help="also run P/D with the spill route off: its baseline, same rates"
     )
+    names = [s.name for s in FULL.systems]
+    ap.add_argument("--system", action="append", choices=names, help="only this system (repeatable; default all)")
     args = ap.parse_args(argv)
     if not ready_to_serve("tandem bench compare"):
         return 2
     plan = QUICK if args.quick else FULL
     if args.mix:
         plan = replace(plan, mixes={k: m for k, m in plan.mixes.items() if k in args.mix})
+    if args.system:
+        plan = replace(plan, systems=tuple(s for s in plan.systems if s.name in args.system))
+        if not any(s.pd for s in plan.systems) or all(s.pd for s in plan.systems):
+            ap.error("--system: name a colocated system and the P/D one (the SLOs come from colocated)")
     if args.no_spill_too:
         plan = replace(plan, systems=(*plan.systems, PD_NO_SPILL))
     scales = (args.ttft_scale, args.tpot_scale)
