@@ -39,7 +39,12 @@ class NullBackend:
         return Route(WORKER)
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        route: Route,
+        traceparent: str | None = None,
     ) -> Iterator[StreamOutput]:
         """COMPLETION's tokens, or its first `params.max_tokens`; the first output with a Placement."""
         n = min(params.max_tokens, len(self._tokens))

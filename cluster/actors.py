@@ -272,14 +272,16 @@ def start_worker(
     namespace: str,
     transport: str = "grpc",
     tls: KVTLSConfig | None = None,
+    env: dict[str, str] | None = None,
 ) -> Any:
     """Start one worker actor in its role's slot; returns its handle (it loads asynchronously).
 
     `transport` is how a prefill worker ships KV (grpc, shm); `tls` secures the KV channel of
-    prefill and decode workers; a colocated worker needs neither."""
+    prefill and decode workers; a colocated worker needs neither. `env`: more of the worker
+    process's environment (ClusterConfig.worker_env)."""
     # Ray takes concurrency groups only at ray.remote(), never in .options(); its stubs omit the option.
     cls: Any = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ACTOR_CLASSES[role])  # type: ignore[call-overload]
-    env = {"OMP_NUM_THREADS": str(config.num_threads or os.cpu_count() or 1)}
+    env = {**(env or {}), "OMP_NUM_THREADS": str(config.num_threads or os.cpu_count() or 1)}
     if "TANDEM_BIND_HOST" in os.environ:
         env["TANDEM_BIND_HOST"] = os.environ["TANDEM_BIND_HOST"]
     return cls.options(

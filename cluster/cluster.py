@@ -9,19 +9,20 @@ cluster.generate(ids, p)     prefill -> KV transfer -> decode (or the whole requ
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 
+from cluster.config import ClusterConfig, ray_env, role_config
 from cluster.feeds import Feeds
-from cluster.handoff import Attempt, Seam, Waits
+from cluster.handoff import Attempt, Seam
 from cluster.inflight import InflightLedger
 from cluster.inventory import node_resources
 from cluster.redis_server import EmbeddedRedis
@@ -29,12 +30,10 @@ from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route, prefill_eta
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
-from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
-from kv_transfer.security import KVTLSConfig
 
 MANAGER = "tandem-pool-manager"
 log = logging.getLogger(__name__)
@@ -45,26 +44,6 @@ __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
 
 class NoWorkerError(EngineError):
     """No worker of the needed role is up (or none has room)."""
-
-
-@dataclass
-class ClusterConfig:
-    model_path: str = ""
-    namespace: str = "default"
-    prefill: int = 1
-    decode: int = 1
-    colocated: int = 0
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=512))
-    transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts), shm (same host), auto (by placement)
-    kv_tls: KVTLSConfig | None = None  # TLS on the KV channel between prefill and decode workers
-    waits: Waits = field(default_factory=Waits)
-    max_migrations: int = 2  # mid-stream replays of one request on another pair
-    write_back: bool = False  # after a P/D turn, copy the answer's KV to the prefill worker (cluster.handoff)
-
-
-def _ray_env() -> None:
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 class Cluster:
@@ -93,7 +72,7 @@ class Cluster:
         config = config or ClusterConfig()
         if not config.model_path:
             config.model_path = str(default_model_path())
-        _ray_env()
+        ray_env()
         own_ray = not ray.is_initialized()
         if own_ray:
             if os.environ.get("RAY_ADDRESS"):
@@ -108,10 +87,13 @@ class Cluster:
         ns = f"tandem-{config.namespace}"
         from cluster.pool_manager import PoolManager
 
-        configs = {role: _role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
+        configs = {role: role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
         ray.remote(PoolManager).options(  # type: ignore[attr-defined]
             name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8
-        ).remote(url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls)
+        ).remote(
+            url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls,
+            worker_env=config.worker_env,
+        )  # fmt: skip
         c = cls(config, url, redis, own_ray)
         for role in ("prefill", "decode", "colocated"):
             c.scale(role, getattr(config, role))
@@ -238,6 +220,7 @@ class Cluster:
         params: SamplingParams,
         request_id: str | None = None,
         route: Route | None = None,
+        traceparent: str | None = None,
     ) -> RequestRun:
         """Prefill on a prefill worker, stream KV to a decode worker, and its outputs (or, for a
         route without prefill, the whole request on a colocated worker, or on a decode worker that
@@ -247,14 +230,22 @@ class Cluster:
         times, bytes moved); the finished one the number of migrations. A dead or
         frozen decode worker after the first token moves the request to another pair (see
         cluster.request_run). `route` defaults to `self.route(...)`. Iterating raises
-        WorkerDiedError, InvalidRequestError; route() NoWorkerError. `cancel()` from any thread."""
+        WorkerDiedError, InvalidRequestError; route() NoWorkerError. `cancel()` from any thread.
+        `traceparent` goes to every worker call, for the workers' spans (engine/spans.py)."""
         rid = request_id or uuid.uuid4().hex
         prompt = list(prompt_ids)
         route = route or self.route(prompt, params)
-        return RequestRun(rid, prompt, params, route, self._attempt, self.route, self.config.max_migrations)
+        attempt = functools.partial(self._attempt, traceparent=traceparent)
+        return RequestRun(rid, prompt, params, route, attempt, self.route, self.config.max_migrations)
 
     def _attempt(
-        self, rid: str, prompt: list[int], params: SamplingParams, route: Route, cancel: threading.Event
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        route: Route,
+        cancel: threading.Event,
+        traceparent: str | None = None,
     ) -> Attempt:
         """Start counting one attempt in the ledger; the Attempt takes it back on close()."""
         view = self.view.current()
@@ -268,7 +259,7 @@ class Cluster:
             lease = MIN_LEASE_S + 2 * eta
         try:
             seam = Seam(self.ledger, self.feeds, self.config.waits, self.config.write_back)
-            return Attempt(rid, prompt, params, route, view.handles, seam, cancel, lease)
+            return Attempt(rid, prompt, params, route, view.handles, seam, cancel, lease, traceparent)
         except BaseException:
             self.ledger.end(rid)
             raise
@@ -295,7 +286,3 @@ class Cluster:
                 step()
             except Exception as e:
                 log.warning("shutdown step failed: %s", e)
-
-
-def _role_config(base: EngineConfig, role: str) -> EngineConfig:
-    return replace(base, role={"prefill": "prefill", "decode": "decode"}.get(role, "both"))  # type: ignore[arg-type]

@@ -142,6 +142,7 @@ class Attempt:
         seam: Seam,
         cancel: threading.Event,
         lease_s: float | None = None,
+        traceparent: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -152,6 +153,7 @@ class Attempt:
         self.cancel = cancel
         self.waits = seam.waits
         self.lease_s = lease_s
+        self.traceparent = traceparent  # for the workers' spans (engine/spans.py)
         self.stage = Stage.NEW
         self.placement: Placement | None = None
         missing = [w for w in route.workers if w not in handles]
@@ -176,7 +178,7 @@ class Attempt:
         reservation = self.decode.reserve.remote(rid, len(self.prompt), self.lease_s)
         self.stage = Stage.RESERVED
         try:
-            ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation)
+            ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)
             result: PrefillResult = self._await(ref, live)
         except AttemptFailed as e:
             if e.suspect is None and ray.wait([reservation], timeout=0)[0]:
@@ -195,7 +197,7 @@ class Attempt:
         try:
             started = self.decode.start_decode.remote(
                 self.seam.feeds.subscriber, rid, self.prompt, result.first.token_ids[0], self.params,
-                self.waits.transfer_s,
+                self.waits.transfer_s, self.traceparent,
             )  # fmt: skip
             self.stage = Stage.STREAMING
             yield result.first
@@ -222,7 +224,9 @@ class Attempt:
         worker = self.route.decode
         feed = self.seam.feeds.open(worker, self.decode, self.request_id)
         try:
-            started = self.decode.start.remote(self.seam.feeds.subscriber, self.request_id, self.prompt, self.params)
+            started = self.decode.start.remote(
+                self.seam.feeds.subscriber, self.request_id, self.prompt, self.params, self.traceparent
+            )
             self.stage = Stage.STREAMING
             for out in self._follow(feed, started, worker):
                 if self.placement is None:

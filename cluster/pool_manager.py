@@ -59,6 +59,7 @@ class PoolManager:
         limits: Limits | None = None,
         probe_s: float = 1.0,
         kv_tls: KVTLSConfig | None = None,
+        worker_env: dict[str, str] | None = None,
     ) -> None:
         self.state = ClusterState(state_url, namespace, socket_timeout_s=REDIS_TIMEOUT_S, retries=0)
         self.state_url = state_url
@@ -66,6 +67,7 @@ class PoolManager:
         self.model_path = model_path
         self.transport = transport
         self.kv_tls = kv_tls
+        self.worker_env = dict(worker_env or {})  # ClusterConfig.worker_env
         self.configs = configs
         self.interval_s = interval_s
         self.limits = limits or Limits()
@@ -268,6 +270,7 @@ class PoolManager:
             self.namespace,
             self.transport,
             self.kv_tls,
+            self.worker_env,
         )
         with self._lock:
             self._workers[worker_id] = WorkerRecord(worker_id, role, handle)

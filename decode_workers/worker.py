@@ -81,10 +81,17 @@ class DecodeWorker(WorkerBase):
         first_token: int,
         params: SamplingParams,
         transfer_timeout_s: float = 10.0,
+        traceparent: str | None = None,
     ) -> None:
         """`generate`, its outputs going to `subscriber`'s outbox (`take_outputs`): returns once the
-        verified transfer is admitted. Raises KVTransferError, TransferTimeout."""
-        self.receiver.wait(request_id, transfer_timeout_s)
+        verified transfer is admitted. `traceparent`: as `start`. Raises KVTransferError,
+        TransferTimeout."""
+        self.spans.begin(request_id, "worker.decode", traceparent, {"tandem.prompt_tokens": len(prompt_ids)})
+        try:
+            self.receiver.wait(request_id, transfer_timeout_s)
+        except BaseException as e:
+            self.spans.end(request_id, error=f"{type(e).__name__}: {e}")
+            raise
         self._open_into(
             subscriber, request_id, lambda: self.receiver.admit(request_id, prompt_ids, first_token, params)
         )

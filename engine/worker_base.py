@@ -23,6 +23,7 @@ from engine.messages import TokenOutput
 from engine.outbox import Item, Outboxes
 from engine.role_switch import switch_role
 from engine.sampling_params import SamplingParams
+from engine.spans import WorkerSpans, provider_from_env
 from engine.torch_threads import on_spent_thread
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,12 @@ class WorkerBase:
             self.loop = EngineLoop(self.engine).start()
             self.outboxes = Outboxes(self.loop.abort)
             self.loop.on_dispatched.append(self.outboxes.flush)
+            self.spans = WorkerSpans(worker_id, self.role, provider_from_env("tandem-worker"))
+            self.loop.on_outputs.append(self.spans.on_outputs)
         else:
-            self.engine, self.loop, self.outboxes = core.engine, core.loop, core.outboxes
+            self.engine, self.loop, self.outboxes, self.spans = core.engine, core.loop, core.outboxes, core.spans
             self.loop.call(lambda e: switch_role(e, config))
+            self.spans.role = self.role
         self._last_stats: dict[str, Any] = {"worker_id": worker_id, "role": self.role, "pid": os.getpid()}
         self.draining = False
         self._calls = 0
@@ -107,6 +111,7 @@ class WorkerBase:
         return bool(self.loop.call(lambda e: not e.has_unfinished())) and self.loop.num_streams == 0
 
     def abort(self, request_id: str) -> bool:
+        self.spans.end(request_id, {"tandem.finish_reason": "abort"})
         return self.loop.abort(request_id)
 
     def _run_whole(
@@ -122,20 +127,31 @@ class WorkerBase:
         finally:
             self.loop.abort(request_id)  # no-op once finished; frees blocks if the caller went away
 
-    def start(self, subscriber: str, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def start(
+        self,
+        subscriber: str,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        traceparent: str | None = None,
+    ) -> None:
         """`_run_whole`, its outputs going to `subscriber`'s outbox (`take_outputs`); returns once
-        the request is queued. Raises InvalidRequestError, WorkerDraining."""
+        the request is queued. `traceparent`: the router's span, to record this worker's under
+        (engine/spans.py). Raises InvalidRequestError, WorkerDraining."""
         self._check_open()
+        self.spans.begin(request_id, "worker.run", traceparent, {"tandem.prompt_tokens": len(prompt_ids)})
         self._open_into(
             subscriber, request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params, whole=True)
         )
 
     def _open_into(self, subscriber: str, request_id: str, add: Callable[[], Any]) -> None:
+        """Open `request_id`'s stream into `subscriber`'s outbox; a failure ends its span."""
         sink = self.outboxes.sink(subscriber, request_id)
         try:
             self.loop.open_into(sink, request_id, add)
-        except BaseException:
+        except BaseException as e:
             self.outboxes.discard(sink)
+            self.spans.end(request_id, error=f"{type(e).__name__}: {e}")
             raise
 
     def take_outputs(self, subscriber: str, wait_s: float) -> list[Item]:

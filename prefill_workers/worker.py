@@ -100,13 +100,28 @@ class PrefillWorker(WorkerBase):
         prompt_ids: Sequence[int],
         params: SamplingParams,
         reservation: bytes,
+        traceparent: str | None = None,
     ) -> PrefillResult:
-        """Prefill, stream KV to `reservation` (a serialized ReserveResponse), commit.
+        """Prefill, stream KV to `reservation` (a serialized ReserveResponse), commit; recorded as
+        a span under `traceparent` (engine/spans.py).
 
         Waits as long as the prompt takes to compute (no fixed deadline: a long prompt or a
         long queue is not a failure); `abort(request_id)` ends it early, and the transfer has
         its own progress deadline. Raises KVTransferError (the decode side frees its lease),
         InvalidRequestError."""
+        self.spans.begin(request_id, "worker.prefill", traceparent, {"tandem.prompt_tokens": len(prompt_ids)})
+        try:
+            r = self._prefill(request_id, prompt_ids, params, reservation)
+        except BaseException as e:
+            self.spans.end(request_id, error=f"{type(e).__name__}: {e}")
+            raise
+        self.spans.end(request_id, {"tandem.cached_tokens": r.cached_tokens, "tandem.queue_s": r.queue_s,
+                                    "tandem.transfer_bytes": r.transfer.bytes})  # fmt: skip
+        return r
+
+    def _prefill(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, reservation: bytes
+    ) -> PrefillResult:
         self._check_open()
         res = pb.ReserveResponse.FromString(reservation)
         t0 = time.monotonic()

@@ -46,11 +46,17 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        route: Route,
+        traceparent: str | None = None,
     ) -> Iterator[StreamOutput]:
         """Run the request on `route`; outputs as `Cluster.generate` yields them (the first with
         its Placement). Closing the iterator aborts the request and frees its KV on every worker it
-        touched; an iterator with `cancel()` is cancelled from any thread when its client leaves."""
+        touched; an iterator with `cancel()` is cancelled from any thread when its client leaves.
+        `traceparent`: the request's root span (router.tracing), for the workers' own spans."""
         ...
 
     def status(self) -> dict[str, Any]:
@@ -125,9 +131,14 @@ class ClusterBackend:
         return self.cluster.route(prompt_ids, params, exclude, self.policy)
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        route: Route,
+        traceparent: str | None = None,
     ) -> Iterator[StreamOutput]:
-        return self.cluster.generate(prompt_ids, params, request_id, route)
+        return self.cluster.generate(prompt_ids, params, request_id, route, traceparent)
 
     def status(self) -> dict[str, Any]:
         return self.cluster.status()

@@ -20,13 +20,14 @@ from cluster.outputs import Placement, StreamOutput
 from cluster.routing import Route, retry_exclusions
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.spans import TraceContext
 from router.admission import Admission
 from router.backend import Backend
 from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.recent import RecentRequests
 from router.settings import RouterSettings
-from router.tracing import RequestTracer
+from router.tracing import RequestTracer, request_context
 from router.window import LoadWindow
 
 log = logging.getLogger("tandem.router")
@@ -62,7 +63,11 @@ class Trace:
     status: int = 200
     error: str | None = None
     recorded: bool = False
-    traceparent: str | None = None  # the client's W3C trace context, if it sent one
+    client: TraceContext | None = None  # the client's W3C trace context, if it sent one
+    context: TraceContext = field(init=False)  # the request's root span (router.tracing)
+
+    def __post_init__(self) -> None:
+        self.context = request_context(self.request_id, self.client)
 
     def timing(self) -> dict[str, Any]:
         """queue (router + worker), route, prefill, transfer, first decode (transfer done to first
@@ -98,10 +103,10 @@ class Trace:
         }
 
     def log_line(self) -> str:
-        fields = {
-            k: v for k, v in asdict(self).items() if not k.startswith("t_") and k not in ("placement", "recorded")
-        }
-        return json.dumps({"event": "request", **fields, "timing": self.timing()}, default=str)
+        skip = ("placement", "recorded", "client", "context")
+        fields = {k: v for k, v in asdict(self).items() if not k.startswith("t_") and k not in skip}
+        trace_id = f"{self.context.trace_id:032x}"
+        return json.dumps({"event": "request", **fields, "trace_id": trace_id, "timing": self.timing()}, default=str)
 
 
 class Run:
@@ -284,4 +289,4 @@ class _Attempt:
         route = self.d.route(self.prompt, self.params, self.failed)
         self.trace.t_dispatch = time.monotonic()
         self.route = route
-        return self.d.backend.generate(self.prompt, self.params, self.engine_id, route)
+        return self.d.backend.generate(self.prompt, self.params, self.engine_id, route, self.trace.context.traceparent)

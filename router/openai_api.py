@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.spans import TraceContext
 from router.auth import api_key_check
 from router.dispatch import Dispatcher, Run, Trace
 from router.errors import APIError, as_api_error
@@ -87,8 +88,8 @@ async def _serve(
     logprobs: int | None,
 ) -> Response:
     rid: str = request.state.request_id
-    trace = Trace(rid, kind, stream=body.stream, priority=body.priority, user=body.user)
-    trace.traceparent = request.headers.get("traceparent")
+    client = TraceContext.parse(request.headers.get("traceparent"))
+    trace = Trace(rid, kind, stream=body.stream, priority=body.priority, user=body.user, client=client)
     model = d.backend.model
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = Shape(kind, prefix + rid, d.settings.model_name or model.name, model.tokenizer)

@@ -14,8 +14,10 @@ or continues the client's trace when the request carried a W3C `traceparent`:
     +- decode                        first -> last token; decode worker
 
 The spans are built at the router when the request ends, from the timing breakdown the workers
-measure and return with the first token (the same figures as `x-tandem-timing`); the request
-id names the request in every Ray call and worker log line. Export is over OTLP/HTTP when
+measure and return with the first token (the same figures as `x-tandem-timing`). The root's ids
+are fixed at arrival (`request_context`) and go down every Ray call of the request as a W3C
+`traceparent`, under which each worker records its own span (engine/spans.py: worker.prefill,
+worker.decode, worker.run), exported from its own process. Export is over OTLP/HTTP when
 OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; tests pass their own
 TracerProvider to `create_app`.
 """
@@ -24,33 +26,39 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import os
 import random
 import re
 import time
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace as otel
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from engine import spans
+from engine.spans import TraceContext, new_span_id
 
 if TYPE_CHECKING:
     from router.dispatch import Trace
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
-_NEXT_TRACE_ID: contextvars.ContextVar[int] = contextvars.ContextVar("tandem_trace_id", default=0)
+# the ids the next root span takes: the ones its request was given at arrival (`request_context`)
+_ROOT_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("tandem_root_ids", default=None)
 
 
 class RequestIds(IdGenerator):
-    """Trace ids from the request being recorded (see `trace_id_of`), span ids at random."""
+    """A root span's ids from its request's context (see `request_context`); others at random."""
 
     def generate_span_id(self) -> int:
-        return random.getrandbits(64) or 1
+        root = _ROOT_IDS.get()
+        if root is None:
+            return new_span_id()
+        _ROOT_IDS.set(None)  # once: the root's children get ids of their own
+        return root[1]
 
     def generate_trace_id(self) -> int:
-        return _NEXT_TRACE_ID.get() or random.getrandbits(128) or 1
+        root = _ROOT_IDS.get()
+        return root[0] if root is not None else random.getrandbits(128) or 1
 
 
 def trace_id_of(request_id: str) -> int:
@@ -59,21 +67,20 @@ def trace_id_of(request_id: str) -> int:
     return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:16], "big") or 1
 
 
-def provider_from_env() -> TracerProvider | None:
-    """A provider exporting over OTLP/HTTP when the standard endpoint variables say where; else None."""
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
-        return None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def request_context(request_id: str, client: TraceContext | None) -> TraceContext:
+    """The request's root span, fixed at arrival so that the workers can record theirs under it:
+    in the client's trace when it sent one, else in the trace its request id names."""
+    if client is not None:
+        return TraceContext(client.trace_id, new_span_id(), client.sampled)
+    return TraceContext(trace_id_of(request_id), new_span_id())
 
-    provider = new_provider()
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return provider
+
+def provider_from_env() -> TracerProvider | None:
+    return spans.provider_from_env("tandem-router", RequestIds())
 
 
 def new_provider() -> TracerProvider:
-    service = os.environ.get("OTEL_SERVICE_NAME", "tandem-router")
-    return TracerProvider(resource=Resource.create({"service.name": service}), id_generator=RequestIds())
+    return spans.new_provider("tandem-router", RequestIds())
 
 
 class RequestTracer:
@@ -89,12 +96,12 @@ class RequestTracer:
             return int(monotonic_s * 1e9) + to_ns
 
         end = t.t_last or time.monotonic()
-        parent = TraceContextTextMapPropagator().extract({"traceparent": t.traceparent}) if t.traceparent else None
-        token = _NEXT_TRACE_ID.set(0 if parent else trace_id_of(t.request_id))
+        parent = t.client.as_parent() if t.client is not None else None
+        token = _ROOT_IDS.set((t.context.trace_id, t.context.span_id))
         try:
             root = self.tracer.start_span("tandem.request", context=parent, start_time=ns(t.t_arrival))
         finally:
-            _NEXT_TRACE_ID.reset(token)
+            _ROOT_IDS.reset(token)
         timing = t.timing()
         root.set_attributes({
             "tandem.request_id": t.request_id, "tandem.endpoint": t.endpoint, "http.response.status_code": t.status,

@@ -31,6 +31,7 @@ from router.app import create_app
 from router.backend import ClusterBackend
 from router.settings import RouterSettings
 from router.tracing import new_provider
+from tests.integration.otlp_collector import Collector, Received, otlp_collector
 from tests.integration.waits import until
 from tests.unit.test_dashboard import SPEC_ONLY, dashboard_metrics
 
@@ -43,9 +44,21 @@ SPANS = InMemorySpanExporter()  # every request's spans (router.tracing)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def collector() -> Iterator[tuple[str, Collector]]:
+    """Where the workers export their spans (engine/spans.py), over real OTLP/HTTP: its URL, and it."""
+    with otlp_collector() as endpoint_and_collector:
+        yield endpoint_and_collector
+
+
+@pytest.fixture(scope="module")
+def cluster(collector: tuple[str, Collector]) -> Iterator[Cluster]:
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": collector[0], "OTEL_BSP_SCHEDULE_DELAY": "100"}
     c = Cluster.connect(
-        ClusterConfig(namespace="router-itest", engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1))
+        ClusterConfig(
+            namespace="router-itest",
+            engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1),
+            worker_env=env,
+        )
     )
     try:
         c.wait_ready(240)
@@ -272,3 +285,32 @@ def test_a_pd_request_is_traced_router_prefill_transfer_decode(url: str, model: 
     assert attrs["decode"]["tandem.worker"] == timing["decode_worker"]
     assert attrs["kv_transfer"]["tandem.bytes"] == timing["transfer_bytes"] > 0
     assert attrs["tandem.request"]["gen_ai.usage.output_tokens"] == 4
+
+
+def test_the_workers_record_their_spans_under_the_routers(
+    url: str, model: str, collector: tuple[str, Collector]
+) -> None:
+    """The trace context goes down the Ray calls: the prefill and decode workers export their own
+    spans (from their processes, over OTLP) as children of the router's root span."""
+    rid = uuid.uuid4().hex
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    body = {"model": model, "prompt": "The capital of France is a city that " * 8, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-id": rid, "traceparent": parent}, timeout=60)
+    timing = json.loads(r.headers["x-tandem-timing"])
+    trace_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    root = next(s for s in SPANS.get_finished_spans() if s.name == "tandem.request"
+                and s.context is not None and s.context.trace_id == trace_id
+                and (s.attributes or {}).get("tandem.request_id") == rid)  # fmt: skip
+    assert root.context is not None
+
+    def mine() -> dict[str, Received]:
+        spans = collector[1].spans()
+        return {s.name: s for s in spans if s.trace_id == trace_id and s.parent_span_id == root.context.span_id}
+
+    until(lambda: {"worker.prefill", "worker.decode"} <= set(mine()), 30, "the workers' spans")
+    got = mine()
+    assert got["worker.prefill"].attributes["tandem.worker"] == timing["prefill_worker"]
+    assert got["worker.decode"].attributes["tandem.worker"] == timing["decode_worker"]
+    assert got["worker.decode"].attributes["tandem.finish_reason"] == "length"
+    assert got["worker.prefill"].service == got["worker.decode"].service == "tandem-worker"
+    assert str(got["worker.prefill"].attributes["tandem.request_id"]).startswith(rid)

@@ -18,3 +18,13 @@ def tiny_model() -> LlamaModel:
 def smollm_tokenizer() -> Tokenizer:
     """The bundled model's real tokenizer (metadata only, no weights)."""
     return Tokenizer.load(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model as a checkpoint directory, for workers (they load from a path)."""
+    from engine.weights import save_hf_dir
+
+    d = tmp_path_factory.mktemp("tiny")
+    save_hf_dir(d, TINY, tiny_weights())
+    return str(d)

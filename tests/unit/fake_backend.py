@@ -46,6 +46,7 @@ class FakeBackend:
     control_error: Exception | None = None  # raised by every control-plane call: route, status, scale, drain
     malformed: bool = False  # outputs carry logprob entries the router cannot read (a backend bug)
     started: list[str] = field(default_factory=list)
+    traceparents: list[str | None] = field(default_factory=list)  # what each generate() was handed
     closed: list[str] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
     params: list[SamplingParams] = field(default_factory=list)  # each generate's, in order
@@ -69,10 +70,16 @@ class FakeBackend:
         return route
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        route: Route,
+        traceparent: str | None = None,
     ) -> Iterator[StreamOutput]:
         self.started.append(request_id)
         self.params.append(params)
+        self.traceparents.append(traceparent)
         try:
             if self.gate is not None:
                 self.gate.wait(10)

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from engine.spans import TraceContext
 from engine.tokenizer import Tokenizer
 from router.app import create_app
 from router.settings import RouterSettings
@@ -21,13 +22,35 @@ CHAIN = ["router.queue", "route", "worker.queue", "prefill", "kv_transfer", "fir
 
 
 @pytest.fixture
-def traced(smollm_tokenizer: Tokenizer) -> tuple[TestClient, InMemorySpanExporter]:
+def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
+    # the fake's worker times (13 ms to the transfer's end) fit before its first token
+    return FakeBackend(smollm_tokenizer, token_delay_s=0.03)
+
+
+@pytest.fixture
+def traced(backend: FakeBackend) -> tuple[TestClient, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = new_provider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    # the fake's worker times (13 ms to the transfer's end) fit before its first token
-    backend = FakeBackend(smollm_tokenizer, token_delay_s=0.03)
     return TestClient(create_app(backend, RouterSettings(), provider)), exporter
+
+
+def test_the_workers_are_handed_the_root_span(
+    traced: tuple[TestClient, InMemorySpanExporter], backend: FakeBackend
+) -> None:
+    """Every worker call of a request carries a traceparent naming its root span, fixed at
+    arrival, so that the workers' own spans (engine/spans.py) hang under it."""
+    c, exporter = traced
+    rid = "0123456789abcdef0123456789abcdef"
+    client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    for headers in ({"x-request-id": rid}, {"x-request-id": "req-8", "traceparent": client}):
+        exporter.clear()
+        assert c.post(CHAT, json=BODY, headers=headers).status_code == 200
+        root = next(s for s in exporter.get_finished_spans() if s.name == "tandem.request")
+        handed = TraceContext.parse(backend.traceparents[-1])
+        assert root.context is not None and handed is not None
+        assert (handed.trace_id, handed.span_id) == (root.context.trace_id, root.context.span_id)
+    assert root.parent is not None and root.parent.span_id == 0x00F067AA0BA902B7 != handed.span_id
 
 
 def test_a_pd_request_is_one_trace_named_by_its_request_id(traced: tuple[TestClient, InMemorySpanExporter]) -> None:

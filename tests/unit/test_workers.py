@@ -17,19 +17,9 @@ from engine.sampling_params import SamplingParams
 from engine.worker_base import WorkerDraining
 from kv_transfer.errors import KVTransferError
 from prefill_workers.worker import PrefillResult, PrefillWorker
-from tests.unit.tiny import TINY, tiny_weights
 
 CFG = EngineConfig(dtype="fp32", block_size=4, num_blocks=128, max_num_batched_tokens=16)
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.weights import save_hf_dir
-
-    d = tmp_path_factory.mktemp("tiny")
-    save_hf_dir(d, TINY, tiny_weights())
-    return str(d)
 
 
 @pytest.fixture(scope="module")

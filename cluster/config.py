@@ -1,0 +1,46 @@
+"""What a cluster is asked to be: its pools, engine, transport, waits, and the workers' environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from cluster.handoff import Waits
+from engine.config import EngineConfig
+from kv_transfer.security import KVTLSConfig
+
+
+@dataclass
+class ClusterConfig:
+    model_path: str = ""
+    namespace: str = "default"
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=512))
+    transport: str = "grpc"  # how prefill workers ship KV: grpc (any hosts), shm (same host), auto (by placement)
+    kv_tls: KVTLSConfig | None = None  # TLS on the KV channel between prefill and decode workers
+    waits: Waits = field(default_factory=Waits)
+    max_migrations: int = 2  # mid-stream replays of one request on another pair
+    write_back: bool = False  # after a P/D turn, copy the answer's KV to the prefill worker (cluster.handoff)
+    # the worker processes' environment on top of Ray's: by default the OTEL_* variables of the
+    # process that connects, so that workers export their spans where the router does
+    worker_env: dict[str, str] = field(default_factory=lambda: otel_env(os.environ))
+
+
+def otel_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The OpenTelemetry SDK's variables in `environ` (OTEL_EXPORTER_OTLP_ENDPOINT, ...), but the
+    service name: workers name themselves."""
+    return {k: v for k, v in environ.items() if k.startswith("OTEL_") and k != "OTEL_SERVICE_NAME"}
+
+
+def ray_env() -> None:
+    """What Ray needs set on this machine before it starts (or joins)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def role_config(base: EngineConfig, role: str) -> EngineConfig:
+    """`base` for a worker of `role` (prefill, decode; colocated runs both)."""
+    return replace(base, role={"prefill": "prefill", "decode": "decode"}.get(role, "both"))  # type: ignore[arg-type]
