@@ -87,9 +87,14 @@ class FailingBackend(FakeBackend):
     fail_after: int = 0
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, route: Route
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        route: Route,
+        traceparent: str | None = None,
     ) -> Iterator[StreamOutput]:
-        outputs = super().generate(prompt_ids, params, request_id, route)
+        outputs = super().generate(prompt_ids, params, request_id, route, traceparent)
         try:
             for i, out in enumerate(outputs):
                 if i == self.fail_after and self.failure is not None:

@@ -13,7 +13,7 @@ from decode_workers.worker import DecodeWorker
 from engine.model import LlamaModel
 from engine.role_switch import check_switch, switch_role
 from prefill_workers.worker import PrefillWorker
-from tests.unit.test_workers import CFG, PARAMS, disaggregated, model_dir  # noqa: F401  (a fixture)
+from tests.unit.test_workers import CFG, PARAMS, disaggregated
 from tests.unit.tiny import make_engine
 
 
@@ -39,7 +39,7 @@ def test_an_engine_switches_role_only_idle_and_only_where_nothing_reloads(tiny_m
     e.check_integrity()
 
 
-def test_workers_flip_roles_keeping_their_engines_and_serve_the_same_tokens(model_dir: str) -> None:  # noqa: F811
+def test_workers_flip_roles_keeping_their_engines_and_serve_the_same_tokens(model_dir: str) -> None:
     p = PrefillWorker("w1", model_dir, replace(CFG, role="prefill"))
     d = DecodeWorker("w2", model_dir, replace(CFG, role="decode"))
     c = ColocatedWorker("c", model_dir, CFG)
