@@ -30,7 +30,7 @@ from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
 from engine.model import LayerCallback, LlamaModel
 from engine.outputs import Completion, KVHandoff, RequestOutput
 from engine.paged_cache import PagedKVCache
-from engine.request import Request
+from engine.request import Request, checked_prompt
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -248,30 +248,8 @@ class Engine:
             raise InvalidRequestError("params must be SamplingParams", "params")
         if request_id not in self._reserved:
             self._check_new_id(request_id)
-        vocab = self.model.config.vocab_size
-        params.validate_for_vocab(vocab)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; pass token ids", "prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens; this model's context is {limit} tokens", "prompt"
-            )
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of {limit} tokens",
-                "max_tokens",
-            )
-        if -(-(len(ids) + 1) // self.config.block_size) > self.config.num_blocks:
-            raise PromptTooLongError(f"the prompt ({len(ids)} tokens) does not fit the KV cache", "prompt")
+        ids = checked_prompt(prompt, params, self.tokenizer, self.model.config.vocab_size, self.max_model_len,
+                             self.config.block_size * self.config.num_blocks)  # fmt: skip
         req = Request(request_id, ids, params, next(self._arrivals))
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(

@@ -1,12 +1,18 @@
-"""A request's state inside one engine: its tokens, progress and status."""
+"""A request's state inside one engine: its tokens, progress and status; its prompt, checked."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 
 class RequestStatus(Enum):
@@ -60,3 +66,36 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Lower runs first: priority, then arrival (FCFS within a priority)."""
         return (self.params.priority, self.arrival_seq)
+
+
+def checked_prompt(
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    tokenizer: Tokenizer | None,
+    vocab: int,
+    max_model_len: int,
+    cache_tokens: int,
+) -> list[int]:
+    """`prompt` as token ids, checked against the model (vocabulary, context) and the KV cache
+    (`cache_tokens`: all its blocks' slots). Raises InvalidRequestError, PromptTooLongError."""
+    params.validate_for_vocab(vocab)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; pass token ids", "prompt")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens; this model's context is {max_model_len} tokens", "prompt"
+        )
+    if len(ids) + params.max_tokens > max_model_len:
+        total = f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens})"
+        raise InvalidRequestError(f"{total} exceeds the context of {max_model_len} tokens", "max_tokens")
+    if len(ids) + 1 > cache_tokens:
+        raise PromptTooLongError(f"the prompt ({len(ids)} tokens) does not fit the KV cache", "prompt")
+    return ids
