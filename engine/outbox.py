@@ -109,6 +109,12 @@ class Outboxes:
             box.taken = time.monotonic()
         return items
 
+    @property
+    def undelivered(self) -> int:
+        """Items queued that no subscriber has taken yet (a forgotten subscriber's are dropped)."""
+        with self._cond:
+            return sum(len(b.items) for b in self._boxes.values())
+
     def _forget_orphans(self) -> None:
         now = time.monotonic()
         with self._cond:

@@ -104,11 +104,15 @@ class WorkerBase:
                 self._last_call_end = time.monotonic()
 
     def idle(self) -> bool:
-        """True when nothing is in flight: no serving call for IDLE_SETTLE_S, no stream, no engine work."""
+        """True when nothing is in flight: no serving call for IDLE_SETTLE_S, no stream, no engine
+        work, and every output taken by its router (a drain that ended on a request's last step,
+        its last tokens still in the outbox, would lose them with the worker)."""
         with self._calls_lock:
             if self._calls or time.monotonic() - self._last_call_end < IDLE_SETTLE_S:
                 return False
-        return bool(self.loop.call(lambda e: not e.has_unfinished())) and self.loop.num_streams == 0
+        if not self.loop.call(lambda e: not e.has_unfinished()) or self.loop.num_streams:
+            return False
+        return self.outboxes.undelivered == 0
 
     def abort(self, request_id: str) -> bool:
         self.spans.end(request_id, {"tandem.finish_reason": "abort"})

@@ -177,6 +177,31 @@ def test_idle_waits_for_serving_calls_to_return(model_dir: str) -> None:
         c.shutdown()
 
 
+def test_idle_waits_for_the_router_to_take_the_last_outputs(model_dir: str) -> None:
+    """A request started into an outbox (`start`) is done in the engine, and its stream closed,
+    before its router takes the last outputs: idle() waits for the take, or a drain would end
+    the worker with a stream's last tokens in it."""
+    import time
+
+    from engine.worker_base import IDLE_SETTLE_S
+
+    c = ColocatedWorker("c3", model_dir, CFG)
+    try:
+        c.start("router-1", "r", [1, 2, 3], PARAMS)
+        deadline = time.monotonic() + 30
+        while c.loop.num_streams or c.loop.call(lambda e: e.has_unfinished()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(IDLE_SETTLE_S + 0.1)  # past the settle of the start call
+        assert c.outboxes.undelivered > 0 and not c.idle()
+        items = c.take_outputs("router-1", 0)
+        assert items[-1][0] == "r" and not isinstance(items[-1][1], str) and items[-1][1].finished
+        assert c.outboxes.undelivered == 0 and c.idle()
+        c.check_integrity()
+    finally:
+        c.shutdown()
+
+
 def test_kv_over_tls_between_workers(
     model_dir: str, workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker], tmp_path: Path
 ) -> None:
