@@ -143,18 +143,22 @@ class RoutingPolicy:
     decode steps and their TPOT (measured: 256 let 1 request in 8 miss a 2x TPOT SLO).
 
     spill_streams: the decode worker's streams over the prefill worker's from which a prompt
-    shorter than `local_below_tokens` runs whole on the prefill worker (0 turns spilling off),
+    shorter than `local_below_tokens` runs whole on the prefill worker (0, the default, turns
+    spilling off; 2 is what was measured, README "P/D vs colocated"),
     when neither what is queued there (`prefill_eta`) nor any prefill there lately
     (`WorkerLoad.longest_prefill_s`) takes `spill_stall_s`: every prefill step there stalls the
     streams it decodes, and a 2K-token prompt on one CPU core is a 5 s stall. Decode-heavy
     traffic (short prompts, long answers) then decodes on both workers' cores, as colocated
-    serving does; traffic with long prompts keeps its streams on the decode worker.
+    serving does; traffic with long prompts keeps its streams on the decode worker. Off by
+    default until a clean full compare settles what it buys: it also puts streams where P/D
+    operators do not look for them (a prefill worker's drain waits for them, the autoscaler
+    counts them as prefill load).
     """
 
     colocate_below_tokens: int = 0
     local_below_tokens: int = 256
     busy_prefill_tokens: int = 1024
-    spill_streams: int = 2
+    spill_streams: int = 0
     spill_stall_s: float = 0.5
 
     def __post_init__(self) -> None:

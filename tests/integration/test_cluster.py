@@ -180,7 +180,7 @@ def test_a_short_prompt_spills_whole_to_the_prefill_worker(cluster: Cluster, eng
     the ledger), a short prompt runs whole on the prefill worker: a cold run's tokens, no KV
     moved, every block freed after. (The guard against long prefills is unit-tested.)"""
     ids = chat(engine_fp32, "Name a river in Asia.")
-    policy = RoutingPolicy(spill_stall_s=float("inf"))
+    policy = RoutingPolicy(spill_streams=2, spill_stall_s=float("inf"))
     assert all(cluster.route(ids, GREEDY, policy=policy).prefill is not None for _ in range(2))
     spill = cluster.route(ids, GREEDY, policy=policy)
     assert spill.local and spill.prefill is None

@@ -224,16 +224,17 @@ def test_a_short_prompt_spills_to_an_idle_prefill_worker_when_decode_has_the_str
     long one lately (its streams would stall behind the next)."""
     d1 = w("d1", "decode", running=3)
     idle = w("p1", "prefill")
-    assert plan_route([idle, d1], {"p1": 2}, 40, 24, 16) == Route("p1", cached_tokens=32, local=True)
-    assert plan_route([idle, w("d1", "decode", running=1)], {}, 40, 24, 16) == Route("d1", "p1")  # margin not met
+    assert plan_route([idle, d1], {"p1": 2}, 40, 24, 16) == Route("d1", "p1", cached_tokens=32)  # off by default
+    on = RoutingPolicy(spill_streams=2)
+    assert plan_route([idle, d1], {"p1": 2}, 40, 24, 16, on) == Route("p1", cached_tokens=32, local=True)
+    assert plan_route([idle, w("d1", "decode", running=1)], {}, 40, 24, 16, on) == Route("d1", "p1")  # margin not met
     spilled_to = w("p1", "prefill", load=WorkerLoad(streams=2))
-    assert plan_route([spilled_to, d1], {}, 40, 24, 16) == Route("d1", "p1")  # 3 - 2 < 2: balanced enough
+    assert plan_route([spilled_to, d1], {}, 40, 24, 16, on) == Route("d1", "p1")  # 3 - 2 < 2: balanced enough
     queued = WorkerLoad(prefill_tokens=600, prefill_s_per_token=1e-3)  # 0.6 s of work queued
-    assert plan_route([w("p1", "prefill", load=replace(queued, prefill_tokens=100)), d1], {}, 40, 24, 16).local
+    assert plan_route([w("p1", "prefill", load=replace(queued, prefill_tokens=100)), d1], {}, 40, 24, 16, on).local
     for load in (queued, WorkerLoad(longest_prefill_s=4.9)):
-        assert plan_route([w("p1", "prefill", load=load), d1], {}, 40, 24, 16) == Route("d1", "p1")
-    assert plan_route([idle, d1], {}, 300, 24, 16) == Route("d1", "p1")  # not short (local_below_tokens)
-    assert plan_route([w("p1", "prefill", free=2), d1], {}, 40, 24, 16) == Route("d1", "p1")  # no room on p1
-    assert plan_route([idle, d1], {}, 40, 24, 16, RoutingPolicy(spill_streams=0)) == Route("d1", "p1")
+        assert plan_route([w("p1", "prefill", load=load), d1], {}, 40, 24, 16, on) == Route("d1", "p1")
+    assert plan_route([idle, d1], {}, 300, 24, 16, on) == Route("d1", "p1")  # not short (local_below_tokens)
+    assert plan_route([w("p1", "prefill", free=2), d1], {}, 40, 24, 16, on) == Route("d1", "p1")  # no room on p1
     with pytest.raises(ValueError):
         RoutingPolicy(spill_streams=-1)
