@@ -117,11 +117,14 @@ class WorkerSpans:
 
     def begin(self, request_id: str, name: str, traceparent: str | None, attrs: Attrs | None = None) -> None:
         """Open `name` for `request_id` under `traceparent` (none: nothing is recorded)."""
+        tracer = self._tracer
+        if tracer is None:  # (the common case: no parsing on the request path)
+            return
         parent = TraceContext.parse(traceparent)
-        if self._tracer is None or parent is None:
+        if parent is None:
             return
         base = {"tandem.worker": self.worker_id, "tandem.role": self.role, "tandem.request_id": request_id}
-        span = self._tracer.start_span(name, context=parent.as_parent(), attributes={**base, **(attrs or {})})
+        span = tracer.start_span(name, context=parent.as_parent(), attributes={**base, **(attrs or {})})
         with self._lock:
             old = self._open.pop(request_id, None)
             while len(self._open) >= MAX_OPEN_SPANS:
