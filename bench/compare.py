@@ -73,7 +73,7 @@ class System:
 COLOCATED_1X2 = System("colocated 1x2t", 0, 0, 1, 2)
 COLOCATED_2X1 = System("colocated 2x1t", 0, 0, 2, 1)
 PD = System("P/D 1P+1D 1t", 1, 1, 0, 1)
-PD_NO_SPILL = System("P/D 1P+1D 1t, no spill", 1, 1, 0, 1, (("spill_streams", 0),))  # the spill route's baseline
+PD_SPILL = System("P/D 1P+1D 1t, spill", 1, 1, 0, 1, (("spill_streams", 2),))  # the spill route, against PD
 
 _CHAT = MIXES["chat"]
 
@@ -171,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument(
-        "--no-spill-too", action="store_true", help="also run P/D with the spill route off: its baseline, same rates"
-    )
+    ap.add_argument("--spill-too", action="store_true", help="also run P/D with the spill route on, same rates")
     names = [s.name for s in FULL.systems]
     ap.add_argument("--system", action="append", choices=names, help="only this system (repeatable; default all)")
     args = ap.parse_args(argv)
@@ -186,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, systems=tuple(s for s in plan.systems if s.name in args.system))
         if not any(s.pd for s in plan.systems) or all(s.pd for s in plan.systems):
             ap.error("--system: name a colocated system and the P/D one (the SLOs come from colocated)")
-    if args.no_spill_too:
-        plan = replace(plan, systems=(*plan.systems, PD_NO_SPILL))
+    if args.spill_too:
+        plan = replace(plan, systems=(*plan.systems, PD_SPILL))
     scales = (args.ttft_scale, args.tpot_scale)
     t0 = time.monotonic()
     base: dict[str, float] = {}
