@@ -80,6 +80,12 @@ class _Hosted:
         self.w.drain()
 
     @_lane(CONTROL)
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        """A router still watching the request's prefill extends its reservation (cluster.handoff)."""
+        w = self.w
+        return w.renew(request_id, lease_s) if isinstance(w, DecodeWorker) else False
+
+    @_lane(CONTROL)
     def idle(self) -> bool:
         return self.w.idle()
 

@@ -27,7 +27,7 @@ from cluster.inflight import InflightLedger
 from cluster.inventory import node_resources
 from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun, WorkerDiedError
-from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route, prefill_eta
+from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
 from engine.errors import EngineError
@@ -37,7 +37,6 @@ from kv_transfer import in_place
 
 MANAGER = "tandem-pool-manager"
 log = logging.getLogger(__name__)
-MIN_LEASE_S = 10.0
 
 __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
 
@@ -251,15 +250,9 @@ class Cluster:
         view = self.view.current()
         blocks, uncached = self._cost(len(prompt), params, route)
         self.ledger.begin(rid, route.decode, route.prefill, blocks, uncached)
-        lease = None
-        if route.prefill is not None:  # the reservation waits out the prefill's queue and compute
-            info = view.registry.get(route.prefill, {})
-            eta = prefill_eta(WorkerView.of(route.prefill, info, self.ledger.load(route.prefill)), route.cached_tokens,
-                              len(prompt))  # fmt: skip
-            lease = MIN_LEASE_S + 2 * eta
         try:
             seam = Seam(self.ledger, self.feeds, self.config.waits, self.config.write_back)
-            return Attempt(rid, prompt, params, route, view.handles, seam, cancel, lease, traceparent)
+            return Attempt(rid, prompt, params, route, view.handles, seam, cancel, traceparent)
         except BaseException:
             self.ledger.end(rid)
             raise

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from cluster.handoff import Waits
+from cluster.liveness import Waits
 from engine.config import EngineConfig
 from kv_transfer.security import KVTLSConfig
 

@@ -10,14 +10,16 @@ whole request on a decode worker that holds its prefix). Outputs come back throu
 of that worker (cluster.feeds: a batch per engine step for all its requests). On every way out but
 DONE, `close()` frees what the attempt holds, fire-and-forget (a frozen worker cannot hold the
 caller): the decode side's reservation (release) and request (abort), the prefill's request
-(abort). The receiver's lease is the backstop if even that is lost.
+(abort). The reservation's lease is the backstop if even that is lost: while the prefill runs,
+the decode side's liveness probe renews it, so it outlives a queue of any length on a live pair
+and lapses `lease_s` after its router stops watching.
 
 With `write_back`, a P/D attempt that finishes asks its decode worker to copy the turn's KV that
 the prefill worker lacks (the answer) into that worker's prefix cache, in the background
 (kv_transfer/write_back.py): the conversation's next turn then prefills only its new message.
 
 No wait here has a fixed size. A wait lasts while the workers it depends on answer pings on
-their control lane (`Liveness`): a long prompt, a long queue or a big batch is not a failure,
+their control lane (`cluster.liveness`): a long prompt, a long queue or a big batch is not a failure,
 a dead or frozen worker is, within `stall_s + liveness_s`. `cancel` (the client went away)
 ends any wait within `poll_s`.
 """
@@ -38,36 +40,13 @@ import ray
 
 from cluster.feeds import Entry, Feeds, Gone
 from cluster.inflight import InflightLedger
+from cluster.liveness import AttemptFailed, Cancelled, Liveness, Waits
 from cluster.outputs import Placement
 from cluster.routing import Route
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from prefill_workers.worker import PrefillResult
-
-
-class AttemptFailed(EngineError):
-    """An attempt broke. `suspect` is the worker that failed, when that is known."""
-
-    def __init__(self, message: str, suspect: str | None = None) -> None:
-        super().__init__(message)
-        self.suspect = suspect
-
-
-class Cancelled(EngineError):
-    """The request was cancelled (its client went away)."""
-
-
-@dataclass(frozen=True)
-class Waits:
-    """poll_s: how often a wait looks at `cancel`; stall_s: no progress for this long starts
-    pinging the workers involved; liveness_s: a ping unanswered this long means the worker is
-    frozen or gone; transfer_s: the decode side's wait for a committed transfer."""
-
-    poll_s: float = 0.1
-    stall_s: float = 1.0
-    liveness_s: float = 3.0
-    transfer_s: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -90,42 +69,6 @@ class Stage(Enum):
     FAILED = "failed"
 
 
-class Liveness:
-    """Pings `workers` once nothing has progressed for `stall_s`; `check()` raises AttemptFailed
-    when one of them is dead, or has not answered for `liveness_s`."""
-
-    def __init__(self, workers: Mapping[str, Any], waits: Waits) -> None:
-        self._workers = dict(workers)
-        self._waits = waits
-        self._pings: dict[str, tuple[Any, float]] = {}
-        self._last = time.monotonic()
-
-    def progress(self) -> None:
-        self._last = time.monotonic()
-        self._pings.clear()
-
-    def check(self) -> None:
-        now = time.monotonic()
-        if now - self._last < self._waits.stall_s:
-            return
-        for wid, handle in self._workers.items():
-            sent = self._pings.get(wid)
-            if sent is None:
-                self._pings[wid] = (handle.ping.remote(), now)
-                continue
-            ref, at = sent
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                try:
-                    ray.get(ref)
-                except Exception as e:
-                    raise AttemptFailed(f"worker {wid} is gone ({type(e).__name__})", wid) from None
-                del self._pings[wid]  # alive: ask again after another stall_s
-                self._last = now
-            elif now - at > self._waits.liveness_s:
-                raise AttemptFailed(f"worker {wid} did not answer for {now - at:.1f} s", wid)
-
-
 class Attempt:
     """Runs `prompt` once on `route`; iterate `run()`, then `close()` (always, idempotent).
 
@@ -141,7 +84,6 @@ class Attempt:
         handles: Mapping[str, Any],
         seam: Seam,
         cancel: threading.Event,
-        lease_s: float | None = None,
         traceparent: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -152,7 +94,6 @@ class Attempt:
         self.ledger = seam.ledger
         self.cancel = cancel
         self.waits = seam.waits
-        self.lease_s = lease_s
         self.traceparent = traceparent  # for the workers' spans (engine/spans.py)
         self.stage = Stage.NEW
         self.placement: Placement | None = None
@@ -172,10 +113,12 @@ class Attempt:
         """Reserve on the decode worker and prefill in one hop: the prefill call takes the
         reservation's ref, which Ray hands it once the decode worker has answered. The first
         token goes to the caller as soon as the prefill returns it, while the decode worker
-        admits the request; its stream then starts at the second token."""
-        rid, route = self.request_id, self.route
-        live = Liveness({route.decode: self.decode, str(route.prefill): prefill}, self.waits)
-        reservation = self.decode.reserve.remote(rid, len(self.prompt), self.lease_s)
+        admits the request; its stream then starts at the second token. The reservation's lease
+        is renewed by the decode side's liveness probe, so a long queue never outlasts it."""
+        rid, route, lease_s = self.request_id, self.route, self.waits.lease_s
+        renew = {route.decode: lambda: self.decode.renew.remote(rid, lease_s)}
+        live = Liveness({route.decode: self.decode, str(route.prefill): prefill}, self.waits, renew)
+        reservation = self.decode.reserve.remote(rid, len(self.prompt), lease_s)
         self.stage = Stage.RESERVED
         try:
             ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Generator
 from dataclasses import replace
 
-from cluster.handoff import Attempt, AttemptFailed
+from cluster.handoff import Attempt
+from cluster.liveness import AttemptFailed
 from cluster.outputs import StreamOutput
 from cluster.routing import Route
 from engine.errors import EngineError

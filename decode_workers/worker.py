@@ -55,6 +55,9 @@ class DecodeWorker(WorkerBase):
     def release(self, request_id: str) -> bool:
         return self.receiver.release(request_id, None, "released by caller")
 
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        return self.receiver.renew(request_id, lease_s)
+
     def generate(
         self,
         request_id: str,

@@ -3,7 +3,8 @@
 A chunk is checked completely before a byte is written: reservation, token, deadline,
 layer range, destination blocks, dtype, shape, size and checksum. A bad chunk from the
 token holder fails the transfer (its blocks are freed at once); a chunk with a wrong or stale
-token is refused and the reservation is left alone. Each accepted chunk renews the lease.
+token is refused and the reservation is left alone. Each accepted chunk renews the lease, and
+so does the router (`renew`) while it watches a live prefill for it.
 
 With `in_place`, the engine's cache moves to /dev/shm and a same-host sender that Claims a reservation
 writes its blocks itself; its chunks are headers, and its blocks are fenced until it stops (in_place.py).
@@ -128,6 +129,15 @@ class KVReceiver:
                 return True
         finally:
             self._free_dropped()
+
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        """Push a held reservation's lease to at least `lease_s` from now: its caller still watches
+        a live sender (cluster.handoff). False if it is gone."""
+        with self._cond:
+            r = self.table.get(request_id)
+            if r is not None:
+                self.table.renew(r, lease_s)
+            return r is not None
 
     def claim(self, request_id: str, token: str, holder: str) -> None:
         """Let the token's holder write the reservation's blocks in place from now on (`holder`:

@@ -6,6 +6,7 @@ sizes through Redis and wait for the pool manager to reconcile.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -222,6 +223,32 @@ def test_write_back_puts_the_answer_in_the_prefill_workers_cache(cluster: Cluste
     assert placement is not None and placement.prefill_worker == writer
     assert placement.cached_tokens == len(hashes) * bs
     assert tokens_of(second) == engine_fp32.generate([turn2], GREEDY)[0].token_ids
+    cluster.check_integrity()
+
+
+def test_a_reservation_outlives_a_queue_longer_than_its_lease(cluster: Cluster, engine_fp32: Engine) -> None:
+    """A short prompt queued behind a long prefill waits longer than its reservation's lease: the
+    router renews the lease while it sees the pair alive, so nothing expires and nothing retries.
+    (Without the renewal, the first chunk meets "no reservation ... expired" and the request fails
+    before its first token.)"""
+    long_ids = chat(engine_fp32, "Tell me about the sea. " * 400)
+    short = chat(engine_fp32, "Name a river in Asia.")
+    waits = cluster.config.waits
+    cluster.config.waits = dataclasses.replace(waits, lease_s=0.5, stall_s=0.1)
+    try:
+        blocker = threading.Thread(target=lambda: list(cluster.generate(long_ids, SamplingParams(max_tokens=2))))
+        blocker.start()
+        time.sleep(0.3)  # the long prompt is on the prefill worker first
+        route = cluster.route(short, GREEDY, policy=RoutingPolicy(local_below_tokens=0))
+        assert route.prefill is not None
+        outs = list(cluster.generate(short, GREEDY, route=route))
+        blocker.join(120)
+    finally:
+        cluster.config.waits = waits
+    placement = outs[0].placement
+    assert placement is not None and placement.transfer_bytes > 0 and outs[-1].migrations == 0
+    assert placement.queue_s + placement.prefill_s > 0.5, f"the queue did not outlast the lease: {placement}"
+    assert tokens_of(outs) == engine_fp32.generate([short], GREEDY)[0].token_ids
     cluster.check_integrity()
 
 

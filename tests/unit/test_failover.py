@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.handoff import AttemptFailed
+from cluster.liveness import AttemptFailed
 from cluster.outputs import Placement
 from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route

@@ -202,6 +202,25 @@ def test_lease_expires_and_frees_blocks(tiny_model: LlamaModel) -> None:
         p.close()
 
 
+def test_a_renewed_lease_outlives_its_first_term_and_a_gone_one_says_so(tiny_model: LlamaModel) -> None:
+    """The router renews a reservation while it watches the prefill (cluster.handoff): the lease
+    then lasts from the last renewal, never shorter than it was; a renewal of nothing is False."""
+    p = make_pair(tiny_model, lease_s=0.3)
+    try:
+        p.receiver.reserve("queued", 20)
+        assert p.receiver.renew("queued", 1.5)
+        assert p.receiver.renew("queued", 0.01)  # a shorter renewal keeps the longer lease
+        time.sleep(0.5)  # past the first term
+        assert p.receiver.expire() == [] and "queued" in p.receiver.table
+        p.receiver.check_integrity()
+        assert not p.receiver.renew("never reserved", 5.0)
+        assert wait_for(lambda: "queued" not in p.receiver.table, 3), "the renewed lease ran out too"
+        assert p.decode.kv.num_free_blocks == 256
+        p.receiver.check_integrity()
+    finally:
+        p.close()
+
+
 def test_abort_from_the_sender_frees_the_reservation(pair: Pair) -> None:
     client = pair.client()
     res = client.reserve("r", 8)
