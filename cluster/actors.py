@@ -298,6 +298,7 @@ def start_worker(
         num_gpus=config.num_gpus,  # Ray then makes that GPU the worker's only visible one
         max_concurrency=MAX_STREAMS,
         max_restarts=0,
+        lifetime="detached",  # a restarted pool manager adopts it (cluster/adoption.py)
         runtime_env={"env_vars": env},
     ).remote(
         worker_id,

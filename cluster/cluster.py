@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from cluster.adoption import kill_workers
 from cluster.config import ClusterConfig, ray_env, role_config
 from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
@@ -88,7 +89,8 @@ class Cluster:
 
         configs = {role: role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
         ray.remote(PoolManager).options(  # type: ignore[attr-defined]
-            name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8
+            name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8,
+            max_restarts=-1,  # it adopts the running workers (cluster/adoption.py): no stream is lost
         ).remote(
             url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls,
             worker_env=config.worker_env,
@@ -266,6 +268,7 @@ class Cluster:
             steps += [
                 lambda: ray.get(self.manager.shutdown.remote(), timeout=20),
                 lambda: ray.kill(self.manager),
+                lambda: kill_workers(self.config.namespace),  # detached: any the manager left
                 lambda: self.state.ping() and self.state.flush_namespace(),
             ]
         steps += [self.state.close, self._fast_state.close]

@@ -1,4 +1,5 @@
 """PoolManager: a named, detached Ray actor that makes the live workers match the desired sizes.
+Ray restarts it if it dies; the new one adopts the workers the old one started (cluster/adoption.py).
 
 Every half second, one round on its own thread:
 
@@ -19,8 +20,10 @@ gets them written back; Redis being away changes nothing (no kill, no size chang
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from typing import Any
 import ray
 
 from cluster.actors import start_worker
+from cluster.adoption import adopt
 from cluster.pool_plan import FLIPPABLE, Limits, RoundPlan, WorkerHealth, decide
 from cluster.state import ClusterState, StateUnavailable
 from cluster.worker_table import Seen, WorkerRecord, WorkerTable, probe
@@ -45,6 +49,8 @@ class ManagerStatus:
     rounds: int  # reconcile rounds completed
     state_ok: bool  # the last round reached Redis
     desired: dict[str, int] | None  # the sizes it works to (None: never read); a copy
+    pid: int = 0  # its process
+    adopted: tuple[str, ...] = ()  # workers it found running when it started (after a restart)
 
 
 class PoolManager:
@@ -62,24 +68,22 @@ class PoolManager:
         worker_env: dict[str, str] | None = None,
     ) -> None:
         self.state = ClusterState(state_url, namespace, socket_timeout_s=REDIS_TIMEOUT_S, retries=0)
-        self.state_url = state_url
-        self.namespace = namespace
-        self.model_path = model_path
-        self.transport = transport
-        self.kv_tls = kv_tls
+        self.state_url, self.namespace, self.model_path, self.configs = state_url, namespace, model_path, configs
+        self.transport, self.kv_tls = transport, kv_tls
         self.worker_env = dict(worker_env or {})  # ClusterConfig.worker_env
-        self.configs = configs
-        self.interval_s = interval_s
-        self.limits = limits or Limits()
-        self.probe_s = probe_s
-        self._workers: dict[str, WorkerRecord] = {}
+        self.interval_s, self.limits, self.probe_s = interval_s, limits or Limits(), probe_s
+        self._workers = {w.worker_id: w for w in adopt(namespace)}
         self._desired: dict[str, int] | None = None
-        self._ids = itertools.count()
+        self._ids = itertools.count(max((int(w[1:].split("-")[0]) + 1 for w in self._workers), default=0))
         self._lock = threading.Lock()  # guards _workers, record states, _epoch; never held over a call
         self._round_lock = threading.Lock()  # one round at a time; the request path never takes it
         self._epoch = 0  # bumped by drain(): a round planned before it must not also resize
-        self._table = WorkerTable()
-        self._status = ManagerStatus(0, True, None)
+        self._table = WorkerTable(tuple(w.entry() for w in self._workers.values()))
+        self._status = ManagerStatus(0, True, None, os.getpid(), tuple(self._workers))
+        for w in self._workers.values():
+            self._emit("worker_adopted", worker_id=w.worker_id, role=w.role, state=w.state)
+            if w.state == "draining":
+                self._send_drain(w)  # again: its drain_ref and idle() answers then end it as before
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
         self._thread.start()
@@ -184,7 +188,9 @@ class PoolManager:
                 for role in plan.start:
                     self._start(role)
             s = self._status
-            self._status = ManagerStatus(s.rounds + 1, state_ok, None if desired is None else dict(desired))
+            self._status = dataclasses.replace(
+                s, rounds=s.rounds + 1, state_ok=state_ok, desired=None if desired is None else dict(desired)
+            )
 
     def _read_desired(self) -> tuple[dict[str, int] | None, bool]:
         """The desired sizes and whether Redis answered. An outage keeps the last ones read;

@@ -241,6 +241,36 @@ def test_a_redis_outage_kills_no_worker_and_loses_no_size(cluster: Cluster) -> N
     check_all(cluster)
 
 
+def manager_pid(c: Cluster) -> int | None:
+    try:
+        return status(c).pid
+    except Exception:  # dead, or restarting
+        return None
+
+
+def test_a_sigkilled_pool_manager_comes_back_and_adopts_its_workers_mid_stream(cluster: Cluster) -> None:
+    """The workers are detached and Ray restarts the manager: the new one finds the same worker
+    processes, up, and takes over their pools; the streams on them never notice."""
+    before, sizes, old = pids(cluster), cluster.state.desired(), status(cluster)
+    downs = len(workers_down(cluster))
+    short = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with PingProbe(cluster.handles()) as probe, Streams(cluster, 4, short) as streams:
+        until(lambda: streams.started == 4, 120, "4 streams to start")
+        os.kill(old.pid, signal.SIGKILL)
+        until(lambda: manager_pid(cluster) not in (None, old.pid), 60, "Ray to restart the pool manager")
+        streams.join(300)
+    new = status(cluster)
+    assert set(new.adopted) == set(before), new
+    until(lambda: status(cluster).rounds >= 3, 30, "the new manager's rounds")
+    assert {w["worker_id"]: w["state"] for w in cluster.workers()} == {wid: "up" for wid in before}
+    assert streams.tokens == [short.max_tokens] * 4 and streams.migrations == [0] * 4
+    assert not probe.errors and probe.worst() < PING_BUDGET_S
+    assert pids(cluster) == before, "the same worker processes serve on"
+    assert set(cluster.handles()) == set(before) and cluster.state.desired() == sizes
+    assert len(workers_down(cluster)) == downs
+    check_all(cluster)
+
+
 def decode_workers(c: Cluster) -> list[dict[str, Any]]:
     return [w for w in c.workers() if w["role"] == "decode"]
 
