@@ -1,5 +1,6 @@
 """Faults under load, on real Ray, a real redis-server, the real model and real process kills,
-through the real router: the scenarios of `tandem bench chaos` (bench.chaos_scenarios), asserted.
+through the real router: the scenarios of `tandem bench chaos` (bench.chaos_scenarios and
+bench.chaos_control), asserted.
 
 One cluster (1 prefill + 2 decode to start) and one router for the module; each scenario sets
 the pool sizes it needs and ends with check_integrity() on every surviving worker and the
@@ -12,15 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos_scenarios import (
-    Chaos,
-    ScenarioResult,
-    decode_kill,
-    decode_stop,
-    disconnects,
-    prefill_kill,
-    redis_kill,
-)
+from bench.chaos_control import manager_kill, redis_kill
+from bench.chaos_harness import Chaos, ScenarioResult
+from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, prefill_kill
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
@@ -71,6 +66,13 @@ def test_redis_killed_under_load(chaos: Chaos) -> None:
     assert r.facts["same_text"] == 16, r.facts
     assert r.facts["new_request_ok"] and 0 < r.facts["new_first_token_s"] < 2.0, r.facts
     assert r.facts["redis_restarted"], r.facts
+
+
+def test_pool_manager_killed_under_load(chaos: Chaos) -> None:
+    r = manager_kill(chaos, n=16)
+    clean(r)
+    assert r.facts["same_text"] == r.facts["usage_exact"] == 16 and r.facts["migrated"] == 0, r.facts
+    assert r.facts["new_request_ok"] and r.facts["same_workers"] and r.facts["adopted"] == 3, r.facts
 
 
 def test_client_disconnects_free_everything(chaos: Chaos) -> None:

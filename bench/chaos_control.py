@@ -1,0 +1,97 @@
+"""The control plane dies, the data plane serves on: `tandem bench chaos` scenarios that kill
+the embedded Redis or the pool manager under load (real SIGKILLs). Streams talk to the workers
+directly, so none of them may lose a token, and new requests are served from the router's last
+view of the pools until the killed part is back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import ray
+
+from bench.chaos_client import Stream, run_streams
+from bench.chaos_harness import Chaos, ScenarioResult, outcome, same_answers, until
+from cluster.pool_manager import ManagerStatus
+
+
+def redis_kill(c: Chaos, n: int = 16) -> ScenarioResult:
+    """n streams; SIGKILL the embedded redis-server; a new request right after must be served."""
+    redis = c.cluster.embedded_redis
+    if redis is None or redis.pid is None:
+        raise RuntimeError("redis_kill needs the cluster's embedded Redis")
+    c.pools(prefill=1, decode=1)
+    prompts = c.prompts(n, "redis-kill")
+    base = run_streams(c.client, prompts)
+    probe: list[Stream] = []
+    killed = 0
+    t_fault = 0.0
+
+    def fault(streams: list[Stream]) -> None:
+        nonlocal t_fault, killed
+        until(lambda: sum(len(s.token_times) >= 2 for s in streams) >= n // 2, 120, "streams under way")
+        killed = redis.pid or 0
+        os.kill(killed, signal.SIGKILL)
+        t_fault = time.monotonic()
+        probe.append(c.client.stream("A new request while Redis is down: say hello."))
+
+    run = c.streamed_with(prompts, fault)
+    new = probe[0]
+    up = set(c.workers("prefill") + c.workers("decode"))
+    until(lambda: c.cluster.state.ping() and set(c.cluster.state.workers()) >= up, 60, "the registry rebuilt", 0.25)
+    recovery = time.monotonic() - t_fault
+    facts = {
+        **same_answers(base, run, c.client.max_tokens),
+        "new_request_ok": new.completed,
+        "new_first_token_s": (new.token_times[0] - t_fault) if new.token_times else -1.0,
+        "redis_restarted": redis.pid not in (None, killed),
+    }
+    return outcome("Redis SIGKILL", base, run, run, recovery_s=recovery, held_blocks=c.held_after_idle(),
+                   facts=facts)  # fmt: skip
+
+
+def _manager(c: Chaos) -> ManagerStatus | None:
+    try:
+        status: object = ray.get(c.cluster.manager.status.remote(), timeout=5)
+    except Exception:  # dead, or restarting
+        return None
+    return status if isinstance(status, ManagerStatus) else None
+
+
+def manager_kill(c: Chaos, n: int = 16) -> ScenarioResult:
+    """n streams over 1P+2D; SIGKILL the pool manager once half are under way. Ray restarts it and
+    it adopts the running workers: the same processes serve on, and a request sent while it is
+    down is served from the router's last view."""
+    c.pools(prefill=1, decode=2)
+    prompts = c.prompts(n, "manager-kill")
+    base = run_streams(c.client, prompts)
+    before = {wid: s["pid"] for wid, s in c.stats().items()}
+    old = _manager(c)
+    if old is None:
+        raise RuntimeError("manager_kill: the pool manager does not answer")
+    probe: list[Stream] = []
+    t_fault = 0.0
+
+    def fault(streams: list[Stream]) -> None:
+        nonlocal t_fault
+        until(lambda: sum(len(s.token_times) >= 2 for s in streams) >= n // 2, 120, "streams under way")
+        os.kill(old.pid, signal.SIGKILL)
+        t_fault = time.monotonic()
+        probe.append(c.client.stream("A new request while the pool manager is down: say hello."))
+
+    run = c.streamed_with(prompts, fault)
+    until(lambda: (m := _manager(c)) is not None and m.pid != old.pid and m.rounds > 0, 60, "a new pool manager", 0.1)
+    back_s = time.monotonic() - t_fault
+    recovery = c.whole_again(t_fault, prefill=1, decode=2)
+    new = _manager(c)
+    facts = {
+        **same_answers(base, run, c.client.max_tokens),
+        "new_request_ok": probe[0].completed,
+        "manager_back_s": back_s,
+        "adopted": len(new.adopted) if new else 0,
+        "same_workers": {wid: s["pid"] for wid, s in c.stats().items()} == before,
+    }
+    return outcome("pool manager SIGKILL", base, run, run, recovery_s=recovery, held_blocks=c.held_after_idle(),
+                   facts=facts)  # fmt: skip
