@@ -6,11 +6,11 @@ waits behind generation:
 
     default  max 64   start / prefill / reserve / write-back: one thread per call, held for its length
     health   max 4    ping, drain: touch no lock, answer within milliseconds however busy
-    control  max 16   idle, abort, release, stats, check_integrity: wait for one engine step at most
+    control  max 16   idle, abort, release, renew, stats, check_integrity: one engine step at most
     feed     max 8    take_outputs: a router's long poll for its requests' outputs (engine/outbox.py)
 
-They ask for 0 CPUs and one slot of their role's custom resource, so placement follows the
-`prefill` / `decode` / `colocated` slots nodes advertise.
+cluster/worker_actors.py starts them (0 CPUs and one slot of their role's custom resource, so
+placement follows the `prefill` / `decode` / `colocated` slots nodes advertise), finds and kills them.
 """
 
 from __future__ import annotations
@@ -257,54 +257,6 @@ class ColocatedActor(_Hosted, Registered):
             yield from self.w.generate(*args, **kwargs)
 
 
-ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "colocated": ColocatedActor}
-
-
 def _bind_host() -> str:
     """The KV endpoint other nodes dial; loopback unless the deployment names this node's address."""
     return os.environ.get("TANDEM_BIND_HOST", "127.0.0.1")
-
-
-def actor_name(namespace: str, worker_id: str) -> str:
-    return f"tandem-{namespace}-{worker_id}"
-
-
-def start_worker(
-    role: str,
-    worker_id: str,
-    model_path: str,
-    config: EngineConfig,
-    state_url: str,
-    namespace: str,
-    transport: str = "grpc",
-    tls: KVTLSConfig | None = None,
-    env: dict[str, str] | None = None,
-) -> Any:
-    """Start one worker actor in its role's slot; returns its handle (it loads asynchronously).
-
-    `transport` is how a prefill worker ships KV (grpc, shm); `tls` secures the KV channel of
-    prefill and decode workers; a colocated worker needs neither. `env`: more of the worker
-    process's environment (ClusterConfig.worker_env)."""
-    # Ray takes concurrency groups only at ray.remote(), never in .options(); its stubs omit the option.
-    cls: Any = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ACTOR_CLASSES[role])  # type: ignore[call-overload]
-    env = {**(env or {}), "OMP_NUM_THREADS": str(config.num_threads or os.cpu_count() or 1)}
-    if "TANDEM_BIND_HOST" in os.environ:
-        env["TANDEM_BIND_HOST"] = os.environ["TANDEM_BIND_HOST"]
-    return cls.options(
-        name=actor_name(namespace, worker_id),
-        namespace=f"tandem-{namespace}",
-        resources={role: 1},
-        num_cpus=0,
-        num_gpus=config.num_gpus,  # Ray then makes that GPU the worker's only visible one
-        max_concurrency=MAX_STREAMS,
-        max_restarts=0,
-        lifetime="detached",  # a restarted pool manager adopts it (cluster/adoption.py)
-        runtime_env={"env_vars": env},
-    ).remote(
-        worker_id,
-        model_path,
-        config,
-        state_url,
-        namespace,
-        **({"transport": transport, "tls": tls} if role != "colocated" else {}),
-    )

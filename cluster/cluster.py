@@ -20,7 +20,6 @@ from typing import Any
 
 import ray
 
-from cluster.adoption import kill_workers
 from cluster.config import ClusterConfig, ray_env, role_config
 from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
@@ -31,6 +30,7 @@ from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
+from cluster.worker_actors import kill_workers
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
@@ -90,7 +90,7 @@ class Cluster:
         configs = {role: role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
         ray.remote(PoolManager).options(  # type: ignore[attr-defined]
             name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8,
-            max_restarts=-1,  # it adopts the running workers (cluster/adoption.py): no stream is lost
+            max_restarts=-1,  # it adopts the running workers (cluster/worker_actors.py): no stream is lost
         ).remote(
             url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls,
             worker_env=config.worker_env,

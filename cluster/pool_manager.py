@@ -1,5 +1,5 @@
 """PoolManager: a named, detached Ray actor that makes the live workers match the desired sizes.
-Ray restarts it if it dies; the new one adopts the workers the old one started (cluster/adoption.py).
+Ray restarts it if it dies; the new one adopts the workers the old one started (cluster/worker_actors.py).
 
 Every half second, one round on its own thread:
 
@@ -31,10 +31,9 @@ from typing import Any
 
 import ray
 
-from cluster.actors import start_worker
-from cluster.adoption import adopt
 from cluster.pool_plan import FLIPPABLE, Limits, RoundPlan, WorkerHealth, decide
 from cluster.state import ClusterState, StateUnavailable
+from cluster.worker_actors import adopt, start_worker
 from cluster.worker_table import Seen, WorkerRecord, WorkerTable, probe
 from engine.config import EngineConfig
 from kv_transfer.security import KVTLSConfig

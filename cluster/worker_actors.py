@@ -1,8 +1,9 @@
-"""Workers outlive their pool manager: a manager that Ray restarts after a crash adopts them.
+"""Worker actors in Ray: started under a name in their role's slot, found by that name, adopted
+by a pool manager that Ray restarted, killed when a cluster goes.
 
-Worker actors are detached (cluster/actors.py, start_worker), so they do not share the fate of
-the manager that started them; the manager itself is restarted by Ray (Cluster.connect). On
-its way up, the new manager finds its namespace's workers by name and asks each what it is:
+Workers outlive their pool manager: they are detached, so they do not share the fate of the
+manager that started them; the manager itself is restarted by Ray (Cluster.connect). On its
+way up, the new manager finds its namespace's workers by name and asks each what it is:
 
     named tandem-<ns>-<worker id>, alive  ── stats() within ADOPT_WAIT_S ──▶ up, or draining if it says so
                                           ── no answer ────────────────────▶ starting (still loading, or
@@ -15,21 +16,73 @@ their last view of the pools while the manager is away (cluster/view.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from typing import Any
 
 import ray
 
+from cluster.actors import CONCURRENCY_GROUPS, MAX_STREAMS, ColocatedActor, PDActor
 from cluster.pool_plan import State
 from cluster.worker_table import WorkerRecord
+from engine.config import EngineConfig
+from kv_transfer.security import KVTLSConfig
 
 ADOPT_WAIT_S = 5.0
 _WORKER_ID = re.compile(r"[pdc]\d+-\d+")  # PoolManager._start's ids: role initial, count, clock
 
 
+ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "colocated": ColocatedActor}
+
+
+def actor_name(namespace: str, worker_id: str) -> str:
+    return f"tandem-{namespace}-{worker_id}"
+
+
+def start_worker(
+    role: str,
+    worker_id: str,
+    model_path: str,
+    config: EngineConfig,
+    state_url: str,
+    namespace: str,
+    transport: str = "grpc",
+    tls: KVTLSConfig | None = None,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """Start one worker actor in its role's slot; returns its handle (it loads asynchronously).
+
+    `transport` is how a prefill worker ships KV (grpc, shm); `tls` secures the KV channel of
+    prefill and decode workers; a colocated worker needs neither. `env`: more of the worker
+    process's environment (ClusterConfig.worker_env)."""
+    # Ray takes concurrency groups only at ray.remote(), never in .options(); its stubs omit the option.
+    cls: Any = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ACTOR_CLASSES[role])  # type: ignore[call-overload]
+    env = {**(env or {}), "OMP_NUM_THREADS": str(config.num_threads or os.cpu_count() or 1)}
+    if "TANDEM_BIND_HOST" in os.environ:
+        env["TANDEM_BIND_HOST"] = os.environ["TANDEM_BIND_HOST"]
+    return cls.options(
+        name=actor_name(namespace, worker_id),
+        namespace=f"tandem-{namespace}",
+        resources={role: 1},
+        num_cpus=0,
+        num_gpus=config.num_gpus,  # Ray then makes that GPU the worker's only visible one
+        max_concurrency=MAX_STREAMS,
+        max_restarts=0,
+        lifetime="detached",  # a restarted pool manager adopts it (cluster/worker_actors.py)
+        runtime_env={"env_vars": env},
+    ).remote(
+        worker_id,
+        model_path,
+        config,
+        state_url,
+        namespace,
+        **({"transport": transport, "tls": tls} if role != "colocated" else {}),
+    )
+
+
 def worker_actors(namespace: str) -> dict[str, Any]:
     """worker id -> handle of every live worker actor of the cluster `namespace`."""
-    ns, prefix = f"tandem-{namespace}", f"tandem-{namespace}-"
+    ns, prefix = f"tandem-{namespace}", actor_name(namespace, "")
     found = {}
     for a in ray.util.list_named_actors(all_namespaces=True):
         wid = a["name"].removeprefix(prefix)
