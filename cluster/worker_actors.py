@@ -103,10 +103,15 @@ def adopt(namespace: str, wait_s: float = ADOPT_WAIT_S) -> list[WorkerRecord]:
         stats: dict[str, Any] = {}
         with contextlib.suppress(Exception):  # not answered in time, or dead: the rounds decide
             stats = ray.get(ref, timeout=0)
-        role = str(stats.get("role") or {"p": "prefill", "d": "decode", "c": "colocated"}[wid[0]])
-        state: State = "starting" if not stats else "draining" if stats.get("draining") else "up"
-        records.append(WorkerRecord(wid, role, handles[wid], state=state))
+        records.append(adopted(wid, handles[wid], stats))
     return records
+
+
+def adopted(worker_id: str, handle: Any, stats: dict[str, Any]) -> WorkerRecord:
+    """The record of a running worker that answered `stats` (empty: it did not answer)."""
+    role = str(stats.get("role") or {"p": "prefill", "d": "decode", "c": "colocated"}[worker_id[0]])
+    state: State = "starting" if not stats else "draining" if stats.get("draining") else "up"
+    return WorkerRecord(worker_id, role, handle, state=state)
 
 
 def kill_workers(namespace: str) -> int:

@@ -1,10 +1,12 @@
-"""The pool manager's decisions (cluster.pool_plan): who is promoted, removed, drained, started."""
+"""The pool manager's decisions (cluster.pool_plan): who is promoted, removed, drained, started;
+and how a restarted manager adopts the workers it finds (cluster.worker_actors.adopted)."""
 
 from __future__ import annotations
 
 import pytest
 
 from cluster.pool_plan import Limits, Removal, RoundPlan, WorkerHealth, decide
+from cluster.worker_actors import adopted
 
 LIMITS = Limits(start_timeout_s=180, unresponsive_s=30)
 
@@ -117,3 +119,14 @@ def test_a_flipping_worker_counts_in_its_new_pool_is_never_removed_and_turns_onc
     assert plan.remove == (Removal("p0", "died"),) and plan.start == ("decode",)
     plan = decide([busy, up("d0"), up("d1", age_s=10), up("p1", "prefill")], {"prefill": 1, "decode": 2}, LIMITS)
     assert plan.drain == ("d1",), "a long pool drains an up worker, never the flip under way"
+
+
+def test_a_restarted_manager_adopts_each_worker_as_it_answers() -> None:
+    """cluster.worker_actors.adopted: the worker's own word on its role (a flipped worker's id
+    keeps its first role's initial) and on draining; no answer: starting, in the role its id names."""
+    flipped = adopted("p3-123", "h", {"role": "decode", "draining": False, "pid": 9})
+    assert (flipped.worker_id, flipped.role, flipped.state, flipped.handle) == ("p3-123", "decode", "up", "h")
+    assert adopted("d0-5", "h", {"role": "decode", "draining": True}).state == "draining"
+    silent = adopted("c1-7", "h", {})
+    assert (silent.role, silent.state) == ("colocated", "starting")
+    assert decide([starting("c1-7", "colocated", silent_s=0.2)], {"colocated": 1}, LIMITS).promote == ("c1-7",)
