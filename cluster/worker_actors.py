@@ -16,6 +16,7 @@ their last view of the pools while the manager is away (cluster/view.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from typing import Any
@@ -28,6 +29,7 @@ from cluster.worker_table import WorkerRecord
 from engine.config import EngineConfig
 from kv_transfer.security import KVTLSConfig
 
+log = logging.getLogger(__name__)
 ADOPT_WAIT_S = 5.0
 _WORKER_ID = re.compile(r"[pdc]\d+-\d+")  # PoolManager._start's ids: role initial, count, clock
 
@@ -93,8 +95,13 @@ def worker_actors(namespace: str) -> dict[str, Any]:
 
 
 def adopt(namespace: str, wait_s: float = ADOPT_WAIT_S) -> list[WorkerRecord]:
-    """Records for the workers a previous manager of `namespace` left running (see above)."""
-    handles = worker_actors(namespace)
+    """Records for the workers a previous manager of `namespace` left running (see above). A
+    failure to list them is logged, not raised: a manager that starts is better than none."""
+    try:
+        handles = worker_actors(namespace)
+    except Exception as e:
+        log.warning("could not list the workers of %s to adopt them: %s: %s", namespace, type(e).__name__, e)
+        return []
     asked = {wid: h.stats.remote() for wid, h in handles.items()}
     if asked:
         ray.wait(list(asked.values()), num_returns=len(asked), timeout=wait_s)
