@@ -70,16 +70,13 @@ class WorkerView:
 def decode_with_room(
     workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()
 ) -> list[WorkerView]:
-    """The healthy, non-draining decode workers with room for `blocks_needed` blocks."""
-    return [
-        w
-        for w in workers
-        if w.role == "decode"
-        and w.healthy
-        and not w.draining
-        and w.free >= blocks_needed
-        and w.worker_id not in exclude
-    ]
+    """The live decode workers with room for `blocks_needed` blocks."""
+    return [w for w in live(workers, "decode", exclude) if w.free >= blocks_needed]
+
+
+def live(workers: Sequence[WorkerView], role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
+    """The healthy, non-draining workers of `role`, but those in `exclude`."""
+    return [w for w in workers if w.role == role and w.healthy and not w.draining and w.worker_id not in exclude]
 
 
 def pick_decode(workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()) -> str | None:
@@ -106,15 +103,15 @@ def pick_prefill(
 ) -> str | None:
     """The prefill worker with the earliest estimated first token (`prefill_eta`); ties go to
     the longer cached prefix, then the shorter queue."""
-    live = [w for w in workers if w.role == "prefill" and w.healthy and not w.draining and w.worker_id not in exclude]
-    if not live:
+    prefills = live(workers, "prefill", exclude)
+    if not prefills:
         return None
 
     def key(w: WorkerView) -> tuple[float, int, int, str]:
         cached = min(cached_blocks.get(w.worker_id, 0) * block_size, prompt_tokens)
         return (prefill_eta(w, cached, prompt_tokens), -cached, w.waiting + w.running, w.worker_id)
 
-    return min(live, key=key).worker_id
+    return min(prefills, key=key).worker_id
 
 
 @dataclass(frozen=True)
@@ -153,6 +150,11 @@ class RoutingPolicy:
     default until a clean full compare settles what it buys: it also puts streams where P/D
     operators do not look for them (a prefill worker's drain waits for them, the autoscaler
     counts them as prefill load).
+
+    cross_pool: when one P/D pool has no live worker for a request (all dead, draining, or
+    excluded after a failure), the other pool's worker runs it whole, rather than the request
+    failing: a new request or a replay of a dead decode worker's streams on 1P+1D, a long
+    prompt while the prefill pool is replaced. Full pools are not a reason: that is backpressure.
     """
 
     colocate_below_tokens: int = 0
@@ -160,6 +162,7 @@ class RoutingPolicy:
     busy_prefill_tokens: int = 1024
     spill_streams: int = 0
     spill_stall_s: float = 0.5
+    cross_pool: bool = True
 
     def __post_init__(self) -> None:
         if self.colocate_below_tokens < 0:
@@ -250,8 +253,8 @@ def plan_route(
     than the prefill pool or the prefill worker is busy (local, see RoutingPolicy), or on the
     prefill worker, when the decode worker has the more streams by a margin (spill); or on a
     colocated worker when the uncached part is short or no P/D pair is available; or local when
-    nothing else is. `cached_blocks`: the prefix index's answer for prefill and decode workers.
-    None: nowhere to run."""
+    nothing else is; or whole on the one P/D pool left (cross_pool). `cached_blocks`: the prefix
+    index's answer for prefill and decode workers. None: nowhere to run."""
     policy = policy or RoutingPolicy()
     by_id = {w.worker_id: w for w in workers}
     blocks = -(-(prompt_tokens + max_tokens) // block_size)
@@ -275,7 +278,15 @@ def plan_route(
         return Route(decode=decode, prefill=prefill, cached_tokens=cached)
     if colocated is not None:
         return Route(decode=colocated)
-    return local  # no prefill worker up: a short prompt still runs
+    if local is not None or not policy.cross_pool:
+        return local  # no prefill worker up: a short prompt still runs
+    # a P/D pool with no worker to take it (dead, draining, excluded after a failure): the other runs it whole
+    if prefill is not None and not live(workers, "decode", exclude) and by_id[prefill].free >= blocks:
+        return Route(decode=prefill, cached_tokens=cached, local=True)
+    if prefill is None and not live(workers, "prefill", exclude):
+        found = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, prompt_tokens + 1, exclude)
+        return Route(decode=found[0], cached_tokens=found[1], local=True) if found is not None else None
+    return None
 
 
 def retry_exclusions(failed: Sequence[Route]) -> list[frozenset[str]]:

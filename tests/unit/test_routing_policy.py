@@ -175,8 +175,26 @@ def test_plan_route_falls_back_to_colocated_without_a_pair() -> None:
     colo = w("c1", "colocated", free=50)
     assert plan_route([w("d1", "decode"), colo], {}, 100, 10, 16) == Route(decode="c1")
     assert plan_route([w("p1", "prefill"), colo], {}, 100, 10, 16) == Route(decode="c1")
-    assert plan_route([w("p1", "prefill")], {}, 100, 10, 16) is None
-    assert plan_route(PD, {}, 100, 10, 16, exclude=frozenset({"d1"})) is None
+    off = RoutingPolicy(cross_pool=False)
+    assert plan_route([w("p1", "prefill")], {}, 100, 10, 16, off) is None
+    assert plan_route(PD, {}, 100, 10, 16, off, exclude=frozenset({"d1"})) is None
+
+
+def test_with_one_pd_pool_gone_the_other_runs_requests_whole() -> None:
+    """cross_pool: no live decode worker (dead, draining, or excluded after its failure, as when a
+    dead decode worker's streams are replayed on 1P+1D): the prefill worker runs the request whole;
+    no live prefill worker: a decode worker runs even a long prompt whole, on its longest prefix.
+    Pools that are up but full are backpressure: no route."""
+    p1, p2, d1 = w("p1", "prefill"), w("p2", "prefill", free=5), w("d1", "decode")
+    assert plan_route([p1, p2], {"p1": 2}, 100, 10, 16) == Route(decode="p1", cached_tokens=32, local=True)
+    assert plan_route([p1, d1], {}, 100, 10, 16, exclude=frozenset({"d1"})) == Route(decode="p1", local=True)
+    assert plan_route([p1, w("d1", "decode", draining=True)], {}, 100, 10, 16) == Route(decode="p1", local=True)
+    assert plan_route([p2], {}, 100, 10, 16) is None  # 7 blocks, 5 free
+    d2 = w("d2", "decode", running=2)
+    assert plan_route([d1, d2], {"d2": 10}, 400, 24, 16) == Route(decode="d2", cached_tokens=160, local=True)
+    assert plan_route([w("p1", "prefill", healthy=False), d1], {}, 400, 24, 16) == Route(decode="d1", local=True)
+    assert plan_route([p1, w("d1", "decode", free=3)], {}, 100, 10, 16) is None  # d1 is up, only full
+    assert plan_route([w("p1", "prefill", free=3), d1], {}, 100, 10, 16) == Route(decode="d1", prefill="p1")
 
 
 def test_route_workers() -> None:
@@ -214,7 +232,7 @@ def test_a_short_prompt_runs_local_when_the_prefill_worker_is_busy() -> None:
     # no prefill worker at all: a colocated worker first, else a short prompt runs local
     assert plan_route([d1, d2, w("c1", "colocated")], {}, 40, 24, 16) == Route("c1")
     assert plan_route([d1, d2], {}, 40, 24, 16) == Route("d2", local=True)
-    assert plan_route([d1, d2], {}, 400, 24, 16) is None
+    assert plan_route([d1, d2], {}, 400, 24, 16, RoutingPolicy(cross_pool=False)) is None
 
 
 def test_a_short_prompt_spills_to_an_idle_prefill_worker_when_decode_has_the_streams() -> None:
