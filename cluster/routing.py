@@ -184,6 +184,7 @@ class Route:
     prefill: str | None = None
     cached_tokens: int = 0
     local: bool = False
+    fallback: bool = False  # RoutingPolicy.cross_pool: the one P/D pool left runs it whole
 
     def __post_init__(self) -> None:
         if self.local and self.prefill is not None:
@@ -282,10 +283,10 @@ def plan_route(
         return local  # no prefill worker up: a short prompt still runs
     # a P/D pool with no worker to take it (dead, draining, excluded after a failure): the other runs it whole
     if prefill is not None and not live(workers, "decode", exclude) and by_id[prefill].free >= blocks:
-        return Route(decode=prefill, cached_tokens=cached, local=True)
+        return Route(decode=prefill, cached_tokens=cached, local=True, fallback=True)
     if prefill is None and not live(workers, "prefill", exclude):
         found = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, prompt_tokens + 1, exclude)
-        return Route(decode=found[0], cached_tokens=found[1], local=True) if found is not None else None
+        return Route(found[0], cached_tokens=found[1], local=True, fallback=True) if found is not None else None
     return None
 
 

@@ -220,17 +220,22 @@ class Dispatcher:
             return Run(pump, first, trace, self)
 
     def route(self, prompt: list[int], params: SamplingParams, failed: Sequence[Route]) -> Route:
-        """A route; after failures, one that is not a pair already tried. Raises NoWorkerError. Blocks."""
+        """A route; after failures, one that is not a pair already tried, and a pair before the
+        whole request on one pool (Route.fallback). Raises NoWorkerError. Blocks."""
         if not failed:
             return self.backend.route(prompt, params, frozenset())
         tried = {r.workers for r in failed}
+        fallback: Route | None = None
         for exclude in retry_exclusions(failed):
             try:
                 route = self.backend.route(prompt, params, exclude)
             except NoWorkerError:
                 continue
-            if route.workers not in tried:
+            if route.workers not in tried and not route.fallback:
                 return route
+            fallback = fallback or (route if route.workers not in tried else None)
+        if fallback is not None:
+            return fallback
         raise NoWorkerError(f"no other worker pair to retry on after {len(failed)} failure(s)")
 
     def _observe_first(self, trace: Trace) -> None:

@@ -186,13 +186,15 @@ def test_with_one_pd_pool_gone_the_other_runs_requests_whole() -> None:
     no live prefill worker: a decode worker runs even a long prompt whole, on its longest prefix.
     Pools that are up but full are backpressure: no route."""
     p1, p2, d1 = w("p1", "prefill"), w("p2", "prefill", free=5), w("d1", "decode")
-    assert plan_route([p1, p2], {"p1": 2}, 100, 10, 16) == Route(decode="p1", cached_tokens=32, local=True)
-    assert plan_route([p1, d1], {}, 100, 10, 16, exclude=frozenset({"d1"})) == Route(decode="p1", local=True)
-    assert plan_route([p1, w("d1", "decode", draining=True)], {}, 100, 10, 16) == Route(decode="p1", local=True)
+    whole = Route(decode="p1", local=True, fallback=True)
+    assert plan_route([p1, p2], {"p1": 2}, 100, 10, 16) == replace(whole, cached_tokens=32)
+    assert plan_route([p1, d1], {}, 100, 10, 16, exclude=frozenset({"d1"})) == whole
+    assert plan_route([p1, w("d1", "decode", draining=True)], {}, 100, 10, 16) == whole
     assert plan_route([p2], {}, 100, 10, 16) is None  # 7 blocks, 5 free
     d2 = w("d2", "decode", running=2)
-    assert plan_route([d1, d2], {"d2": 10}, 400, 24, 16) == Route(decode="d2", cached_tokens=160, local=True)
-    assert plan_route([w("p1", "prefill", healthy=False), d1], {}, 400, 24, 16) == Route(decode="d1", local=True)
+    assert plan_route([d1, d2], {"d2": 5}, 400, 24, 16) == Route("d2", cached_tokens=80, local=True, fallback=True)
+    sick = w("p1", "prefill", healthy=False)
+    assert plan_route([sick, d1], {}, 400, 24, 16) == Route("d1", local=True, fallback=True)
     assert plan_route([p1, w("d1", "decode", free=3)], {}, 100, 10, 16) is None  # d1 is up, only full
     assert plan_route([w("p1", "prefill", free=3), d1], {}, 100, 10, 16) == Route(decode="d1", prefill="p1")
 
