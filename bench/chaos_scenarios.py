@@ -48,6 +48,31 @@ def decode_kill(c: Chaos, n: int = 32) -> ScenarioResult:
                    facts=facts)  # fmt: skip
 
 
+def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
+    """1P+1D, n streams; SIGKILL the one decode worker once half are going: with no other decode
+    worker, they finish whole on the prefill worker (RoutingPolicy.cross_pool), and a request
+    sent right after is served there too while the pool manager replaces the dead worker."""
+    c.pools(prefill=1, decode=1)
+    prompts = c.prompts(n, "only-decode-kill")
+    base = run_streams(c.client, prompts)
+    probe: list[Stream] = []
+    t_fault = 0.0
+
+    def fault(streams: list[Stream]) -> None:
+        nonlocal t_fault
+        until(lambda: sum(len(s.token_times) >= 4 for s in streams) >= n // 2, 120, "streams under way")
+        c.signal(c.workers("decode")[0], signal.SIGKILL)
+        t_fault = time.monotonic()
+        probe.append(c.client.stream("A new request while the decode pool is empty: say hello."))
+
+    run = c.streamed_with(prompts, fault)
+    affected = [s for s in run if int(s.timing.get("migrations", 0)) > 0]
+    facts = {**same_answers(base, run, c.client.max_tokens), "new_request_ok": probe[0].completed}
+    recovery = c.whole_again(t_fault, prefill=1, decode=1)
+    return outcome("only decode SIGKILL (1P+1D)", base, run, affected, recovery_s=recovery,
+                   held_blocks=c.held_after_idle(), facts=facts)  # fmt: skip
+
+
 def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
     """2 prefill workers, n long prompts; SIGKILL one while it is prefilling and streaming KV."""
     c.pools(prefill=2, decode=1)
@@ -151,6 +176,7 @@ def _waiting(url: str) -> int:
 
 SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "decode-kill": decode_kill,
+    "only-decode-kill": only_decode_kill,
     "prefill-kill": prefill_kill,
     "decode-stop": decode_stop,
     "redis-kill": redis_kill,

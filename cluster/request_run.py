@@ -29,7 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class WorkerDiedError(EngineError):
-    """A worker died (or froze) while serving the request, and it could not be moved."""
+    """A worker died (or froze) while serving the request, and it could not be moved. `suspect`:
+    the worker that failed, when that is known (a retry avoids it first)."""
+
+    def __init__(self, message: str, suspect: str | None = None) -> None:
+        super().__init__(message)
+        self.suspect = suspect
 
 
 StartAttempt = Callable[[str, list[int], SamplingParams, Route, threading.Event], Attempt]
@@ -98,9 +103,10 @@ class RequestRun:
                 return
             except AttemptFailed as e:
                 if not emitted:
-                    raise WorkerDiedError(f"the request failed before its first token: {e}") from None
+                    raise WorkerDiedError(f"the request failed before its first token: {e}", e.suspect) from None
                 if self.migrations >= max_migrations:
-                    raise WorkerDiedError(f"the request failed after {self.migrations} migration(s): {e}") from None
+                    why = f"the request failed after {self.migrations} migration(s): {e}"
+                    raise WorkerDiedError(why, e.suspect) from None
                 rest = replace(params, max_tokens=params.max_tokens - len(emitted))
                 route = self._reroute(reroute, prompt + emitted, rest, route, e)
                 self.migrations += 1

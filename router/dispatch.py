@@ -17,6 +17,7 @@ from typing import Any
 
 from cluster.cluster import NoWorkerError
 from cluster.outputs import Placement, StreamOutput
+from cluster.request_run import WorkerDiedError
 from cluster.routing import Route, retry_exclusions
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -184,11 +185,12 @@ class Dispatcher:
 
     async def _first(self, prompt: list[int], params: SamplingParams, trace: Trace) -> Run:
         failed: list[Route] = []
+        suspects: set[str] = set()  # workers a failure named: avoided first
         last_error: Exception | None = None
         while True:
             engine_id = f"{trace.request_id}.{uuid.uuid4().hex[:8]}"
             trace.engine_ids.append(engine_id)
-            attempt = _Attempt(self, prompt, params, engine_id, tuple(failed), trace)
+            attempt = _Attempt(self, prompt, params, engine_id, tuple(failed), trace, frozenset(suspects))
             pump: ThreadPump[StreamOutput] = ThreadPump(attempt.start, name=f"req-{engine_id}")
             try:
                 first = await pump.next()
@@ -205,6 +207,8 @@ class Dispatcher:
                     raise
                 route = attempt.route
                 failed.append(route)
+                if isinstance(e, WorkerDiedError) and e.suspect is not None:
+                    suspects.add(e.suspect)
                 last_error = e
                 if len(failed) >= self.settings.max_attempts:
                     raise
@@ -219,23 +223,30 @@ class Dispatcher:
             self._observe_first(trace)
             return Run(pump, first, trace, self)
 
-    def route(self, prompt: list[int], params: SamplingParams, failed: Sequence[Route]) -> Route:
-        """A route; after failures, one that is not a pair already tried, and a pair before the
-        whole request on one pool (Route.fallback). Raises NoWorkerError. Blocks."""
+    def route(
+        self, prompt: list[int], params: SamplingParams, failed: Sequence[Route], suspects: frozenset[str] = frozenset()
+    ) -> Route:
+        """A route; after failures, one that is not a pair already tried: best one with no worker
+        the failures named (`suspects`) and a pair rather than the whole request on one pool
+        (Route.fallback), in that order. Raises NoWorkerError. Blocks."""
         if not failed:
             return self.backend.route(prompt, params, frozenset())
         tried = {r.workers for r in failed}
-        fallback: Route | None = None
+        best: tuple[tuple[bool, bool], Route] | None = None
         for exclude in retry_exclusions(failed):
             try:
                 route = self.backend.route(prompt, params, exclude)
             except NoWorkerError:
                 continue
-            if route.workers not in tried and not route.fallback:
+            if route.workers in tried:
+                continue
+            rank = (bool(route.workers & suspects), route.fallback)
+            if rank == (False, False):
                 return route
-            fallback = fallback or (route if route.workers not in tried else None)
-        if fallback is not None:
-            return fallback
+            if best is None or rank < best[0]:
+                best = (rank, route)
+        if best is not None:
+            return best[1]
         raise NoWorkerError(f"no other worker pair to retry on after {len(failed)} failure(s)")
 
     def _observe_first(self, trace: Trace) -> None:
@@ -288,10 +299,11 @@ class _Attempt:
     engine_id: str
     failed: tuple[Route, ...]
     trace: Trace
+    suspects: frozenset[str] = frozenset()  # workers the failures named
     route: Route | None = None  # set once routed; None if routing raised
 
     def start(self) -> Iterator[StreamOutput]:
-        route = self.d.route(self.prompt, self.params, self.failed)
+        route = self.d.route(self.prompt, self.params, self.failed, self.suspects)
         self.trace.t_dispatch = time.monotonic()
         self.route = route
         return self.d.backend.generate(self.prompt, self.params, self.engine_id, route, self.trace.context.traceparent)

@@ -15,7 +15,7 @@ import pytest
 
 from bench.chaos_control import manager_kill, redis_kill
 from bench.chaos_harness import Chaos, ScenarioResult
-from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, prefill_kill
+from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_decode_kill, prefill_kill
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
@@ -44,6 +44,13 @@ def test_decode_worker_killed_mid_stream(chaos: Chaos) -> None:
     assert r.facts["migrated"] > 0, "the killed worker had streams that moved"
     low, high = r.facts["burst_split"]
     assert 12 <= low <= high <= 20, f"a burst of 32 over 2 decode workers split {low}/{high}"
+
+
+def test_the_only_decode_worker_killed_mid_stream(chaos: Chaos) -> None:
+    r = only_decode_kill(chaos, n=8)
+    clean(r)
+    assert r.facts["same_text"] == r.facts["usage_exact"] == 8 and r.facts["migrated"] > 0, r.facts
+    assert r.facts["new_request_ok"], r.facts
 
 
 def test_prefill_worker_killed_mid_transfer(chaos: Chaos) -> None:

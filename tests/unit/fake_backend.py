@@ -84,7 +84,8 @@ class FakeBackend:
             if self.gate is not None:
                 self.gate.wait(10)
             if route.workers & self.fail_before_first:
-                raise WorkerDiedError(f"{sorted(route.workers & self.fail_before_first)} died")
+                dead = sorted(route.workers & self.fail_before_first)
+                raise WorkerDiedError(f"{dead} died", dead[0])  # as the cluster names the worker it saw fail
             for i in range(params.max_tokens):
                 time.sleep(self.token_delay_s)
                 tok = self.text_ids[i % len(self.text_ids)]

@@ -78,11 +78,23 @@ def test_retry_on_another_pair_before_the_first_token(backend: FakeBackend) -> N
     assert backend.routes[0].prefill == "p0" and backend.routes[-1].prefill == "p1"  # a pair before one pool whole
     assert sample(c.get("/metrics").text, "tandem:request_retries_total") == 1
     assert sorted(backend.closed) == sorted(backend.started)
-    backend.fail_before_first = {"d0"}  # no other decode worker: a clean 503
+    backend.fail_before_first = {"d0", "p0", "p1"}  # every worker fails: a clean 503
     r = c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 3})
     assert (
         r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] in ("no_worker", "worker_error")
     )
+
+
+def test_a_retry_avoids_the_worker_that_failed_even_for_one_pool_whole(backend: FakeBackend) -> None:
+    """1P+1D with a dead decode worker the view still lists: the retry avoids it first (the
+    failure names it), and the prefill worker runs the request whole (cross_pool), rather than a
+    local route on the dead worker."""
+    backend.workers = [worker("p0", "prefill"), worker("d0", "decode")]
+    backend.fail_before_first = {"d0"}
+    r = client(backend).post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    timing = json.loads(r.headers["x-tandem-timing"])
+    assert timing["attempts"] == 2 and timing["decode_worker"] == timing["prefill_worker"] == "p0", timing
 
 
 def _asgi_request(app: Any, path: str, body: dict[str, Any], disconnect_when: Any) -> list[dict[str, Any]]:
