@@ -288,17 +288,3 @@ def plan_route(
         found = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, prompt_tokens + 1, exclude)
         return Route(found[0], cached_tokens=found[1], local=True, fallback=True) if found is not None else None
     return None
-
-
-def retry_exclusions(failed: Sequence[Route]) -> list[frozenset[str]]:
-    """Workers to avoid when retrying after `failed` routes broke before their first token,
-    strictest first: every worker of a failed route; then only their prefill workers; then only
-    their decode workers (a failure does not say which side of a pair broke)."""
-    every = frozenset().union(*(r.workers for r in failed))
-    prefill = frozenset(r.prefill for r in failed if r.prefill is not None)
-    decode = frozenset(r.decode for r in failed)
-    out: list[frozenset[str]] = []
-    for ex in (every, prefill, decode):
-        if ex and ex not in out:
-            out.append(ex)
-    return out

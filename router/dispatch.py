@@ -18,7 +18,7 @@ from typing import Any
 from cluster.cluster import NoWorkerError
 from cluster.outputs import Placement, StreamOutput
 from cluster.request_run import WorkerDiedError
-from cluster.routing import Route, retry_exclusions
+from cluster.routing import Route
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.spans import TraceContext
@@ -27,6 +27,7 @@ from router.backend import Backend
 from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.recent import RecentRequests
+from router.retry import retry_route
 from router.settings import RouterSettings
 from router.tracing import RequestTracer, request_context
 from router.window import LoadWindow
@@ -226,28 +227,10 @@ class Dispatcher:
     def route(
         self, prompt: list[int], params: SamplingParams, failed: Sequence[Route], suspects: frozenset[str] = frozenset()
     ) -> Route:
-        """A route; after failures, one that is not a pair already tried: best one with no worker
-        the failures named (`suspects`) and a pair rather than the whole request on one pool
-        (Route.fallback), in that order. Raises NoWorkerError. Blocks."""
+        """A route; after failures, the best untried one (router/retry.py). Raises NoWorkerError. Blocks."""
         if not failed:
             return self.backend.route(prompt, params, frozenset())
-        tried = {r.workers for r in failed}
-        best: tuple[tuple[bool, bool], Route] | None = None
-        for exclude in retry_exclusions(failed):
-            try:
-                route = self.backend.route(prompt, params, exclude)
-            except NoWorkerError:
-                continue
-            if route.workers in tried:
-                continue
-            rank = (bool(route.workers & suspects), route.fallback)
-            if rank == (False, False):
-                return route
-            if best is None or rank < best[0]:
-                best = (rank, route)
-        if best is not None:
-            return best[1]
-        raise NoWorkerError(f"no other worker pair to retry on after {len(failed)} failure(s)")
+        return retry_route(lambda exclude: self.backend.route(prompt, params, exclude), failed, suspects)
 
     def _observe_first(self, trace: Trace) -> None:
         m = self.metrics

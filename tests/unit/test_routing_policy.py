@@ -17,7 +17,6 @@ from cluster.routing import (
     pick_prefill,
     plan_route,
     prefill_eta,
-    retry_exclusions,
 )
 
 
@@ -205,13 +204,6 @@ def test_route_workers() -> None:
     assert Route(decode="d1", local=True).workers == {"d1"}
     with pytest.raises(ValueError):
         Route(decode="d1", prefill="p1", local=True)
-
-
-def test_retry_exclusions_strictest_first() -> None:
-    assert retry_exclusions([Route("d1", "p1")]) == [{"d1", "p1"}, {"p1"}, {"d1"}]
-    assert retry_exclusions([Route("d1", "p1"), Route("d1", "p2")]) == [{"d1", "p1", "p2"}, {"p1", "p2"}, {"d1"}]
-    assert retry_exclusions([Route("c1")]) == [{"c1"}]
-    assert retry_exclusions([]) == []
 
 
 def test_policy_validation() -> None:
