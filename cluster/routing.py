@@ -155,6 +155,7 @@ class RoutingPolicy:
     excluded after a failure), the other pool's worker runs it whole, rather than the request
     failing: a new request or a replay of a dead decode worker's streams on 1P+1D, a long
     prompt while the prefill pool is replaced. Full pools are not a reason: that is backpressure.
+    On by default; `tandem serve --no-cross-pool` turns it off (a 503 instead).
     """
 
     colocate_below_tokens: int = 0

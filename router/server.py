@@ -97,6 +97,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "on the prefill worker (0: off; default: RoutingPolicy's)",
     )
     ap.add_argument(
+        "--no-cross-pool",
+        action="store_true",
+        help="fail a request (503) rather than run it whole on the other P/D pool when its own has no live worker",
+    )
+    ap.add_argument(
         "--speculative",
         default=env("TANDEM_SPECULATIVE", "off"),
         choices=["off", "ngram", "suffix"],
@@ -224,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         colocate_below_tokens=args.colocate_below,
         **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),
         **({"spill_streams": args.spill_streams} if args.spill_streams is not None else {}),
+        **({"cross_pool": False} if args.no_cross_pool else {}),
         allow_loopback_admin=args.allow_loopback_admin,
         **({"admin_token": args.admin_token} if args.admin_token else {}),
     )

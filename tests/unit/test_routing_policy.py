@@ -18,6 +18,8 @@ from cluster.routing import (
     plan_route,
     prefill_eta,
 )
+from router.server import parse
+from router.settings import RouterSettings
 
 
 def w(
@@ -250,3 +252,9 @@ def test_a_short_prompt_spills_to_an_idle_prefill_worker_when_decode_has_the_str
     assert plan_route([w("p1", "prefill", free=2), d1], {}, 40, 24, 16, on) == Route("d1", "p1")  # no room on p1
     with pytest.raises(ValueError):
         RoutingPolicy(spill_streams=-1)
+
+
+def test_tandem_serve_can_turn_cross_pool_off() -> None:
+    assert RouterSettings().routing_policy.cross_pool
+    assert not RouterSettings(cross_pool=False).routing_policy.cross_pool
+    assert parse(["--no-cross-pool"]).no_cross_pool and not parse([]).no_cross_pool
