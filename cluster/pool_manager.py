@@ -33,7 +33,7 @@ import ray
 
 from cluster.pool_plan import FLIPPABLE, Limits, RoundPlan, WorkerHealth, decide
 from cluster.state import ClusterState, StateUnavailable
-from cluster.worker_actors import adopt, start_worker
+from cluster.worker_actors import adopt, new_worker_id, next_count, start_worker
 from cluster.worker_table import Seen, WorkerRecord, WorkerTable, probe
 from engine.config import EngineConfig
 from kv_transfer.security import KVTLSConfig
@@ -73,7 +73,7 @@ class PoolManager:
         self.interval_s, self.limits, self.probe_s = interval_s, limits or Limits(), probe_s
         self._workers = {w.worker_id: w for w in adopt(namespace)}
         self._desired: dict[str, int] | None = None
-        self._ids = itertools.count(max((int(w[1:].split("-")[0]) + 1 for w in self._workers), default=0))
+        self._ids = itertools.count(next_count(self._workers))
         self._lock = threading.Lock()  # guards _workers, record states, _epoch; never held over a call
         self._round_lock = threading.Lock()  # one round at a time; the request path never takes it
         self._epoch = 0  # bumped by drain(): a round planned before it must not also resize
@@ -265,7 +265,7 @@ class PoolManager:
     # ---- actions: no lock held ---------------------------------------------------------------
 
     def _start(self, role: str) -> None:
-        worker_id = f"{role[0]}{next(self._ids)}-{int(time.time() * 1000) % 100000}"
+        worker_id = new_worker_id(role, next(self._ids))
         handle = start_worker(
             role,
             worker_id,

@@ -19,6 +19,8 @@ import contextlib
 import logging
 import os
 import re
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -31,10 +33,21 @@ from kv_transfer.security import KVTLSConfig
 
 log = logging.getLogger(__name__)
 ADOPT_WAIT_S = 5.0
-_WORKER_ID = re.compile(r"[pdc]\d+-\d+")  # PoolManager._start's ids: role initial, count, clock
+_WORKER_ID = re.compile(r"([pdc])(\d+)-\d+")  # role initial, a count, the clock (new_worker_id)
+_ROLES = {"prefill": "p", "decode": "d", "colocated": "c"}
 
 
 ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "colocated": ColocatedActor}
+
+
+def new_worker_id(role: str, count: int) -> str:
+    """A worker's id: its first role's initial, the manager's count, and the clock (ms, mod 1e5)."""
+    return f"{_ROLES[role]}{count}-{int(time.time() * 1000) % 100000}"
+
+
+def next_count(worker_ids: Iterable[str]) -> int:
+    """The count a manager goes on from, past those of `worker_ids` (workers it adopted)."""
+    return max((int(m.group(2)) + 1 for w in worker_ids if (m := _WORKER_ID.fullmatch(w))), default=0)
 
 
 def actor_name(namespace: str, worker_id: str) -> str:
@@ -116,7 +129,7 @@ def adopt(namespace: str, wait_s: float = ADOPT_WAIT_S) -> list[WorkerRecord]:
 
 def adopted(worker_id: str, handle: Any, stats: dict[str, Any]) -> WorkerRecord:
     """The record of a running worker that answered `stats` (empty: it did not answer)."""
-    role = str(stats.get("role") or {"p": "prefill", "d": "decode", "c": "colocated"}[worker_id[0]])
+    role = str(stats.get("role") or {v: k for k, v in _ROLES.items()}[worker_id[0]])
     state: State = "starting" if not stats else "draining" if stats.get("draining") else "up"
     return WorkerRecord(worker_id, role, handle, state=state)
 
