@@ -10,11 +10,8 @@ import os
 import signal
 import time
 
-import ray
-
 from bench.chaos_client import Stream, run_streams
 from bench.chaos_harness import Chaos, ScenarioResult, outcome, same_answers, until
-from cluster.pool_manager import ManagerStatus
 
 
 def redis_kill(c: Chaos, n: int = 16) -> ScenarioResult:
@@ -52,14 +49,6 @@ def redis_kill(c: Chaos, n: int = 16) -> ScenarioResult:
                    facts=facts)  # fmt: skip
 
 
-def _manager(c: Chaos) -> ManagerStatus | None:
-    try:
-        status: object = ray.get(c.cluster.manager.status.remote(), timeout=5)
-    except Exception:  # dead, or restarting
-        return None
-    return status if isinstance(status, ManagerStatus) else None
-
-
 def manager_kill(c: Chaos, n: int = 16) -> ScenarioResult:
     """n streams over 1P+2D; SIGKILL the pool manager once half are under way. Ray restarts it and
     it adopts the running workers: the same processes serve on, and a request sent while it is
@@ -68,7 +57,7 @@ def manager_kill(c: Chaos, n: int = 16) -> ScenarioResult:
     prompts = c.prompts(n, "manager-kill")
     base = run_streams(c.client, prompts)
     before = {wid: s["pid"] for wid, s in c.stats().items()}
-    old = _manager(c)
+    old = c.cluster.manager_status()
     if old is None:
         raise RuntimeError("manager_kill: the pool manager does not answer")
     probe: list[Stream] = []
@@ -82,10 +71,15 @@ def manager_kill(c: Chaos, n: int = 16) -> ScenarioResult:
         probe.append(c.client.stream("A new request while the pool manager is down: say hello."))
 
     run = c.streamed_with(prompts, fault)
-    until(lambda: (m := _manager(c)) is not None and m.pid != old.pid and m.rounds > 0, 60, "a new pool manager", 0.1)
+    until(
+        lambda: (m := c.cluster.manager_status()) is not None and m.pid != old.pid and m.rounds > 0,
+        60,
+        "a new pool manager",
+        0.1,
+    )
     back_s = time.monotonic() - t_fault
     recovery = c.whole_again(t_fault, prefill=1, decode=2)
-    new = _manager(c)
+    new = c.cluster.manager_status()
     facts = {
         **same_answers(base, run, c.client.max_tokens),
         "new_request_ok": probe[0].completed,

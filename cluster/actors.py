@@ -62,6 +62,7 @@ class _Hosted:
     calls stay in the default group, counted by `serving()` for idle()."""
 
     w: WorkerBase
+    _flip_to = ""  # drained to turn into this role (PDActor.flip): a restarted manager reads it in stats()
 
     @property
     def worker_id(self) -> str:
@@ -76,7 +77,9 @@ class _Hosted:
         return self.w.ping()
 
     @_lane(HEALTH)
-    def drain(self) -> None:
+    def drain(self, flip_to: str = "") -> None:
+        """Take no new work; `flip_to`: the role it is drained to turn into (kept for stats())."""
+        self._flip_to = flip_to
         self.w.drain()
 
     @_lane(CONTROL)
@@ -95,7 +98,7 @@ class _Hosted:
 
     @_lane(CONTROL)
     def stats(self) -> dict[str, Any]:
-        return self.w.stats()
+        return {**self.w.stats(), "flip_to": self._flip_to}
 
     @_lane(FEED)
     def take_outputs(self, subscriber: str, wait_s: float) -> list[Item]:
@@ -157,7 +160,7 @@ class PDActor(_Hosted, PublishesBlocks):
         work again after. Raises WorkerDraining if it is not drained, ValueError if it is not
         idle or `config` needs another engine."""
         t = time.monotonic()
-        old = self.w
+        old, self._flip_to = self.w, ""  # done or refused, the intent is spent
         if config.role == old.role:
             old.draining = False
             return 0.0

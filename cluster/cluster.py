@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
@@ -35,6 +35,9 @@ from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
+
+if TYPE_CHECKING:
+    from cluster.pool_manager import ManagerStatus
 
 MANAGER = "tandem-pool-manager"
 log = logging.getLogger(__name__)
@@ -130,6 +133,14 @@ class Cluster:
 
     def status(self) -> dict[str, Any]:
         return {"desired": self.state.desired(), "workers": self.workers()}
+
+    def manager_status(self, timeout_s: float = 5.0) -> ManagerStatus | None:
+        """The pool manager's own status; None while it does not answer (dead, or restarting)."""
+        try:
+            status: object = ray.get(self.manager.status.remote(), timeout=timeout_s)
+        except Exception:
+            return None
+        return cast("ManagerStatus", status)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Block until every desired worker is up and registered. Raises TimeoutError."""

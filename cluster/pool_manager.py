@@ -81,8 +81,8 @@ class PoolManager:
         self._status = ManagerStatus(0, True, None, os.getpid(), tuple(self._workers))
         for w in self._workers.values():
             self._emit("worker_adopted", worker_id=w.worker_id, role=w.role, state=w.state)
-            if w.state == "draining":
-                self._send_drain(w)  # again: its drain_ref and idle() answers then end it as before
+            if w.state in ("draining", "flipping"):
+                self._send_drain(w)  # again: its drain_ref and idle() answers then end (or turn) it as before
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
         self._thread.start()
@@ -282,10 +282,11 @@ class PoolManager:
             self._publish()
 
     def _send_drain(self, w: WorkerRecord) -> None:
-        ref = w.handle.drain.remote()
+        with self._lock:
+            to = w.flip_to
+        ref = w.handle.drain.remote(to)  # the worker keeps `to`: a restarted manager finishes the flip
         with self._lock:
             w.drain_ref = ref
-            to = w.flip_to
         if to:
             self._emit("worker_flipping", worker_id=w.worker_id, role=w.role, to=to)
         else:

@@ -5,7 +5,9 @@ Workers outlive their pool manager: they are detached, so they do not share the 
 manager that started them; the manager itself is restarted by Ray (Cluster.connect). On its
 way up, the new manager finds its namespace's workers by name and asks each what it is:
 
-    named tandem-<ns>-<worker id>, alive  ── stats() within ADOPT_WAIT_S ──▶ up, or draining if it says so
+    named tandem-<ns>-<worker id>, alive  ── stats() within ADOPT_WAIT_S ──▶ up, or draining if it says so,
+                                                                             or flipping (drained to turn into
+                                                                             the role it names): the flip goes on
                                           ── no answer ────────────────────▶ starting (still loading, or
                                                                              frozen: the rounds decide)
 
@@ -26,7 +28,7 @@ from typing import Any
 import ray
 
 from cluster.actors import CONCURRENCY_GROUPS, MAX_STREAMS, ColocatedActor, PDActor
-from cluster.pool_plan import State
+from cluster.pool_plan import FLIPPABLE, State
 from cluster.worker_table import WorkerRecord
 from engine.config import EngineConfig
 from kv_transfer.security import KVTLSConfig
@@ -131,6 +133,9 @@ def adopted(worker_id: str, handle: Any, stats: dict[str, Any]) -> WorkerRecord:
     """The record of a running worker that answered `stats` (empty: it did not answer)."""
     role = str(stats.get("role") or {v: k for k, v in _ROLES.items()}[worker_id[0]])
     state: State = "starting" if not stats else "draining" if stats.get("draining") else "up"
+    to = str(stats.get("flip_to") or "")
+    if state == "draining" and to in FLIPPABLE and to != role:  # a flip the last manager began
+        return WorkerRecord(worker_id, role, handle, state="flipping", flip_to=to, flip_started=time.monotonic())
     return WorkerRecord(worker_id, role, handle, state=state)
 
 

@@ -52,8 +52,8 @@ def check_all(c: Cluster) -> None:
 
 
 def status(c: Cluster) -> ManagerStatus:
-    result: object = ray.get(c.manager.status.remote(), timeout=10)
-    assert isinstance(result, ManagerStatus)
+    result = c.manager_status(10)
+    assert result is not None, "the pool manager does not answer"
     return result
 
 
@@ -241,13 +241,6 @@ def test_a_redis_outage_kills_no_worker_and_loses_no_size(cluster: Cluster) -> N
     check_all(cluster)
 
 
-def manager_pid(c: Cluster) -> int | None:
-    try:
-        return status(c).pid
-    except Exception:  # dead, or restarting
-        return None
-
-
 def test_a_sigkilled_pool_manager_comes_back_and_adopts_its_workers_mid_stream(cluster: Cluster) -> None:
     """The workers are detached and Ray restarts the manager: the new one finds the same worker
     processes, up, and takes over their pools; the streams on them never notice."""
@@ -257,7 +250,11 @@ def test_a_sigkilled_pool_manager_comes_back_and_adopts_its_workers_mid_stream(c
     with PingProbe(cluster.handles()) as probe, Streams(cluster, 4, short) as streams:
         until(lambda: streams.started == 4, 120, "4 streams to start")
         os.kill(old.pid, signal.SIGKILL)
-        until(lambda: manager_pid(cluster) not in (None, old.pid), 60, "Ray to restart the pool manager")
+        until(
+            lambda: (m := cluster.manager_status()) is not None and m.pid != old.pid,
+            60,
+            "Ray to restart the pool manager",
+        )
         streams.join(300)
     new = status(cluster)
     assert set(new.adopted) == set(before), new

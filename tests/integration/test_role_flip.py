@@ -4,11 +4,14 @@ streams are in flight: none is lost, greedy output is unchanged, the worker keep
 
 One cluster: 2 prefill workers + 1 decode worker on `--transport shm`, so KV goes in place into
 the decode workers' shared caches (kv_transfer/in_place.py), a flipped worker's included. A
-prefill worker flips to decode under load, serves decode, then flips back while streams run on it.
+prefill worker flips to decode under load, serves decode, then flips back while streams run on it;
+then the decode worker's flip is caught halfway by a SIGKILL of the pool manager.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -136,4 +139,39 @@ def test_a_prefill_worker_flips_to_decode_and_back_under_load_losing_nothing(clu
     again.first.wait(120)
     again.join()
     assert again.tokens == reference.tokens
+    check_all(cluster)
+
+
+def test_a_flip_under_way_is_finished_by_the_pool_manager_ray_restarts(cluster: Cluster) -> None:
+    """The worker keeps the role it was drained to turn into; the new manager adopts it as
+    flipping and turns it in place: same process, no worker down, the streams on it unchanged."""
+    reference = Streams(cluster, N)
+    reference.first.wait(120)
+    reference.join()
+    (flipper,) = [w["worker_id"] for w in cluster.workers() if w["role"] == "decode"]
+    handle, before, old = cluster.handles()[flipper], pid(cluster, flipper), cluster.manager_status()
+    assert old is not None
+
+    streams = Streams(cluster, N)  # decoding on the flipper while it drains
+    streams.first.wait(120)
+    assert cluster.flip(flipper, "prefill")
+    assert ray.get(handle.stats.remote(), timeout=30)["flip_to"] == "prefill", "the worker knows where it goes"
+    os.kill(old.pid, signal.SIGKILL)  # before the old manager could turn it: its streams still run
+    until(lambda: (m := cluster.manager_status()) is not None and m.pid != old.pid, 60, "Ray to restart the manager")
+    (adopted,) = [e for e in events(cluster, "worker_adopted", flipper)]
+    assert adopted["state"] == "flipping", adopted
+    until(lambda: role_of(cluster, flipper) == ("prefill", "up"), 180, "the new manager to finish the flip")
+    streams.join()
+    assert streams.tokens == reference.tokens, "a stream was lost or changed by the flip"
+    assert pid(cluster, flipper) == before, "turned in place, not replaced"
+    assert {r: cluster.state.desired().get(r) for r in ("prefill", "decode")} == {"prefill": 3, "decode": 0}
+    assert [e["was"] for e in events(cluster, "worker_flipped", flipper)][-1] == "decode"
+    assert not [e for _, e in cluster.state.events(count=10_000) if e.get("kind") in ("worker_down", "flip_failed")]
+
+    assert cluster.flip(flipper, "decode")  # and the new manager flips it back, as any other
+    until(lambda: role_of(cluster, flipper) == ("decode", "up"), 180, "the flip back to decode")
+    again = Streams(cluster, N)
+    again.first.wait(120)
+    again.join()
+    assert again.tokens == reference.tokens and pid(cluster, flipper) == before
     check_all(cluster)

@@ -127,6 +127,11 @@ def test_a_restarted_manager_adopts_each_worker_as_it_answers() -> None:
     flipped = adopted("p3-123", "h", {"role": "decode", "draining": False, "pid": 9})
     assert (flipped.worker_id, flipped.role, flipped.state, flipped.handle) == ("p3-123", "decode", "up", "h")
     assert adopted("d0-5", "h", {"role": "decode", "draining": True}).state == "draining"
+    assert adopted("d0-5", "h", {"role": "decode", "draining": True, "flip_to": ""}).state == "draining"
+    turning = adopted("d0-5", "h", {"role": "decode", "draining": True, "flip_to": "prefill"})
+    assert (turning.role, turning.state, turning.flip_to) == ("decode", "flipping", "prefill"), "the flip goes on"
+    done = adopted("d0-5", "h", {"role": "prefill", "draining": False, "flip_to": ""})
+    assert (done.role, done.state, done.flip_to) == ("prefill", "up", "")
     silent = adopted("c1-7", "h", {})
     assert (silent.role, silent.state) == ("colocated", "starting")
     assert decide([starting("c1-7", "colocated", silent_s=0.2)], {"colocated": 1}, LIMITS).promote == ("c1-7",)
