@@ -33,6 +33,7 @@ from cluster.view import ClusterView, ViewRefresher
 from cluster.worker_actors import kill_workers
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
+from engine.roles import ROLES
 from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
 
@@ -90,7 +91,7 @@ class Cluster:
         ns = f"tandem-{config.namespace}"
         from cluster.pool_manager import PoolManager
 
-        configs = {role: role_config(config.engine, role) for role in ("prefill", "decode", "colocated")}
+        configs = {role: role_config(config.engine, role) for role in ROLES}
         ray.remote(PoolManager).options(  # type: ignore[attr-defined]
             name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8,
             max_restarts=-1,  # it adopts the running workers (cluster/worker_actors.py): no stream is lost

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.liveness import Waits
 from engine.config import EngineConfig
+from engine.roles import Role
 from kv_transfer.security import KVTLSConfig
 
 
@@ -41,6 +42,6 @@ def ray_env() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-def role_config(base: EngineConfig, role: str) -> EngineConfig:
-    """`base` for a worker of `role` (prefill, decode; colocated runs both)."""
-    return replace(base, role={"prefill": "prefill", "decode": "decode"}.get(role, "both"))  # type: ignore[arg-type]
+def role_config(base: EngineConfig, role: Role) -> EngineConfig:
+    """`base` for a worker of `role`."""
+    return replace(base, role=role)

@@ -16,10 +16,11 @@ from typing import Any
 
 import pynvml
 
+from engine.roles import ROLES
+
 DECODE_MIN_MEMORY_GB = 100.0
 DECODE_MIN_BANDWIDTH_GBPS = 4000.0
 GPU_CLASSES = ("prefill", "decode")
-NODE_ROLES = ("prefill", "decode", "colocated")
 ROLES_ENV = "TANDEM_NODE_ROLES"
 
 # A CPU-only host (the embedded default, CI) runs one worker of each kind.
@@ -137,8 +138,8 @@ def parse_roles(spec: str) -> dict[str, float]:
         if not item:
             continue
         role, sep, count = (s.strip() for s in item.partition("="))
-        if not sep or role not in NODE_ROLES:
-            raise ValueError(f"bad role {item!r} in {spec!r}: expected role=count with role in {NODE_ROLES}")
+        if not sep or role not in ROLES:
+            raise ValueError(f"bad role {item!r} in {spec!r}: expected role=count with role in {ROLES}")
         if role in resources:
             raise ValueError(f"role {role!r} given twice in {spec!r}")
         try:

@@ -31,11 +31,12 @@ from typing import Any
 
 import ray
 
-from cluster.pool_plan import FLIPPABLE, Limits, RoundPlan, WorkerHealth, decide
+from cluster.pool_plan import Limits, RoundPlan, WorkerHealth, decide
 from cluster.state import ClusterState, StateUnavailable
 from cluster.worker_actors import adopt, new_worker_id, next_count, start_worker
 from cluster.worker_table import Seen, WorkerRecord, WorkerTable, probe
 from engine.config import EngineConfig
+from engine.roles import FLIPPABLE
 from kv_transfer.security import KVTLSConfig
 
 log = logging.getLogger(__name__)

@@ -27,10 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.state import ROLES
+from engine.roles import FLIPPABLE, ROLES
 
 State = Literal["starting", "up", "draining", "flipping"]
-FLIPPABLE = frozenset({"prefill", "decode"})
 
 
 @dataclass(frozen=True)

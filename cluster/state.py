@@ -32,10 +32,10 @@ from redis.retry import Retry
 
 from cluster.prefix_index import PrefixIndex
 from cluster.state_store import StateUnavailable, unavailable_as_state_error
+from engine.roles import ROLES
 
-__all__ = ["ROLES", "ClusterState", "StateUnavailable"]
+__all__ = ["ClusterState", "StateUnavailable"]
 
-ROLES = frozenset({"prefill", "decode", "colocated"})
 EVENTS_MAXLEN = 10_000
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 

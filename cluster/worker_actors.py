@@ -28,15 +28,16 @@ from typing import Any
 import ray
 
 from cluster.actors import CONCURRENCY_GROUPS, MAX_STREAMS, ColocatedActor, PDActor
-from cluster.pool_plan import FLIPPABLE, State
+from cluster.pool_plan import State
 from cluster.worker_table import WorkerRecord
 from engine.config import EngineConfig
+from engine.roles import FLIPPABLE
 from kv_transfer.security import KVTLSConfig
 
 log = logging.getLogger(__name__)
 ADOPT_WAIT_S = 5.0
 _WORKER_ID = re.compile(r"([pdc])(\d+)-\d+")  # role initial, a count, the clock (new_worker_id)
-_ROLES = {"prefill": "p", "decode": "d", "colocated": "c"}
+_INITIALS = {"prefill": "p", "decode": "d", "colocated": "c"}
 
 
 ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "colocated": ColocatedActor}
@@ -44,7 +45,7 @@ ACTOR_CLASSES: dict[str, type] = {"prefill": PDActor, "decode": PDActor, "coloca
 
 def new_worker_id(role: str, count: int) -> str:
     """A worker's id: its first role's initial, the manager's count, and the clock (ms, mod 1e5)."""
-    return f"{_ROLES[role]}{count}-{int(time.time() * 1000) % 100000}"
+    return f"{_INITIALS[role]}{count}-{int(time.time() * 1000) % 100000}"
 
 
 def next_count(worker_ids: Iterable[str]) -> int:
@@ -131,7 +132,7 @@ def adopt(namespace: str, wait_s: float = ADOPT_WAIT_S) -> list[WorkerRecord]:
 
 def adopted(worker_id: str, handle: Any, stats: dict[str, Any]) -> WorkerRecord:
     """The record of a running worker that answered `stats` (empty: it did not answer)."""
-    role = str(stats.get("role") or {v: k for k, v in _ROLES.items()}[worker_id[0]])
+    role = str(stats.get("role") or {v: k for k, v in _INITIALS.items()}[worker_id[0]])
     state: State = "starting" if not stats else "draining" if stats.get("draining") else "up"
     to = str(stats.get("flip_to") or "")
     if state == "draining" and to in FLIPPABLE and to != role:  # a flip the last manager began

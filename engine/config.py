@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from engine.kv_codec import KV_DTYPES
+from engine.roles import ROLES, Role
 
-Role = Literal["both", "prefill", "decode"]
 # "int8": weights quantized per channel, activations in fp32 (and the KV cache, unless kv_dtype says otherwise).
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -54,7 +53,7 @@ class ModelConfig:
 class EngineConfig:
     """How the engine runs a model: dtype, cache size, batching limits and role.
 
-    role "both" runs whole requests; "prefill" stops each request after its first token
+    role (engine/roles.py) "colocated" runs whole requests; "prefill" stops each request after its first token
     and hands over its KV blocks; "decode" admits requests whose KV was written from outside.
     """
 
@@ -65,7 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    role: Role = "both"
+    role: Role = "colocated"
     num_threads: int | None = None
     speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
     num_speculative_tokens: int = 4
@@ -81,8 +80,8 @@ class EngineConfig:
             raise ValueError("block_size and num_blocks must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.device not in ("cpu", "auto", "meta") and not self.device.startswith("cuda"):

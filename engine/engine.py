@@ -3,7 +3,7 @@
     step():  schedule -> run model + sample -> append tokens, detokenize, check stops
 
 Roles (EngineConfig.role):
-  both     whole requests.
+  colocated  whole requests.
   prefill  a request stops after its first token; its KV blocks stay held and are
            described by RequestOutput.kv until `release(request_id)`. One added `whole`
            runs to its end, as under `both`.

@@ -22,6 +22,7 @@ from engine.loop import EngineLoop
 from engine.messages import TokenOutput
 from engine.outbox import Item, Outboxes
 from engine.role_switch import switch_role
+from engine.roles import Role
 from engine.sampling_params import SamplingParams
 from engine.spans import WorkerSpans, provider_from_env
 from engine.torch_threads import on_spent_thread
@@ -50,7 +51,7 @@ class WorkerDraining(EngineError):
 
 
 class WorkerBase:
-    role = "both"
+    role: Role = "colocated"
 
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, core: WorkerBase | None = None) -> None:
         """`core`: an idle worker of another role whose engine, loop and outboxes this one takes

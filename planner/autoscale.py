@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-ROLES = ("prefill", "decode", "colocated")
+from engine.roles import ROLES
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ def decide(
         for role in _short_roles(current, window, bounds):
             want[role] = current.get(role, 0) + 1
             reasons.append(f"{role}: +1, its SLO is missed and the plan asks no more")
-    lower = {r: memory.lower_in_a_row.get(r, 0) + 1 if want.get(r, 0) < current.get(r, 0) else 0 for r in ROLES}
+    lower: dict[str, int] = {
+        r: memory.lower_in_a_row.get(r, 0) + 1 if want.get(r, 0) < current.get(r, 0) else 0 for r in ROLES
+    }
     sizes = dict(current)
     for role in ROLES:
         have, goal = current.get(role, 0), bounds.clamp(role, want.get(role, 0))

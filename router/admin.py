@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends
 
+from engine.roles import FLIPPABLE, ROLES
 from router.auth import admin_check
-from router.backend import FLIPPABLE, ROLES, Backend
+from router.backend import Backend
 from router.errors import APIError, admin_error
 from router.requests import FlipBody, RebalanceBody, ScaleBody
 from router.settings import RouterSettings

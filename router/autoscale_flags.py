@@ -7,7 +7,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from planner.autoscale import ROLES, Bounds
+from engine.roles import ROLES
+from planner.autoscale import Bounds
 from planner.slo import SLO, parse_slo
 
 

@@ -19,7 +19,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from planner.autoscale import ROLES, Decision, Memory, Window, decide
+from engine.roles import ROLES
+from planner.autoscale import Decision, Memory, Window, decide
 from planner.search import Handoff, NodeKind, fewest_colocated, size_pair
 from planner.slo import SLO
 from planner.trace import Trace
@@ -73,7 +74,7 @@ class Autoscaler:
         taken = self.window.take()
         status = self.backend.status()
         desired = status.get("desired", {})
-        current = {r: int(desired.get(r, 0)) for r in ROLES}
+        current: dict[str, int] = {r: int(desired.get(r, 0)) for r in ROLES}
         workers = [w for w in status.get("workers", []) if w.get("state") == "up"]
         slo = self.config.slo
         n = len(taken.samples)

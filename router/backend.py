@@ -22,9 +22,6 @@ from engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from cluster.cluster import Cluster
 
-ROLES = ("prefill", "decode", "colocated")
-FLIPPABLE = ("prefill", "decode")  # the roles a worker flips between in place
-
 
 @dataclass(frozen=True)
 class ModelInfo:

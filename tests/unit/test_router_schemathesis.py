@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from engine.roles import ROLES
 from engine.tokenizer import Tokenizer
 from router.app import create_app
-from router.backend import ROLES
 from router.settings import RouterSettings
 from tests.unit.fake_backend import CHAT, HELLO, FakeBackend
 
