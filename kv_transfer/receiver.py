@@ -19,7 +19,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -27,8 +26,9 @@ from typing import Any
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from kv_transfer.chunk_checks import check_place, check_written, read_payload
-from kv_transfer.errors import ChunkRejected, KVTransferError, TransferTimeout
+from kv_transfer.errors import ChunkRejected, KVTransferError
 from kv_transfer.in_place import Fence, SharedCache, is_holder
+from kv_transfer.outcomes import Outcomes
 from kv_transfer.payload import InbandReader, PayloadReader, ShmReader
 from kv_transfer.reservations import Reservation, ReservationTable, State
 from kv_transfer.security import same_secret
@@ -67,8 +67,7 @@ class KVReceiver:
         self.table = ReservationTable()
         self.readers: dict[str, PayloadReader] = {"grpc": InbandReader(), "shm": ShmReader()}
         self._cond = threading.Condition()
-        self._failed: OrderedDict[str, str] = OrderedDict()
-        self._done: OrderedDict[str, TransferStats] = OrderedDict()
+        self.outcomes = Outcomes(self._cond)
         self._dropped: list[str] = []
         self.fence = Fence()
         with engine_lock:  # a flipped worker's engine loop runs already: it must not step meanwhile
@@ -94,8 +93,7 @@ class KVReceiver:
         lease = lease_s if lease_s else self.lease_s
         with self._cond:
             r = self.table.add(request_id, blocks, num_tokens, lease)
-            self._failed.pop(request_id, None)
-            self._done.pop(request_id, None)
+            self.outcomes.forget(request_id)
         return pb.ReserveResponse(
             block_ids=r.block_ids,
             transfer_token=r.token,
@@ -169,10 +167,7 @@ class KVReceiver:
             self.fence.hold(r.request_id, r.token, r.holder)
         else:
             self._dropped.append(r.request_id)
-        self._failed[r.request_id] = reason
-        while len(self._failed) > 1024:
-            self._failed.popitem(last=False)
-        self._cond.notify_all()
+        self.outcomes.fail(r.request_id, reason)
 
     def _free_dropped(self) -> None:
         with self._cond:
@@ -239,10 +234,7 @@ class KVReceiver:
             stats = TransferStats(
                 r.request_id, r.bytes, r.chunks, r.finished - (r.started or r.finished), network_wait_s
             )
-            self._done[r.request_id] = stats
-            while len(self._done) > 1024:
-                self._done.popitem(last=False)
-            self._cond.notify_all()
+            self.outcomes.commit(stats)
             return stats
 
     def _authorised(self, header: pb.KVChunkHeader) -> Reservation:
@@ -262,17 +254,7 @@ class KVReceiver:
 
     def wait(self, request_id: str, timeout: float) -> TransferStats:
         """Block until the transfer commits. Raises KVTransferError if it failed, TransferTimeout."""
-        end = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if request_id in self._done:
-                    return self._done[request_id]
-                if request_id in self._failed:
-                    raise KVTransferError(f"transfer of {request_id!r} failed: {self._failed[request_id]}")
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(f"transfer of {request_id!r} not complete after {timeout:.1f} s")
-                self._cond.wait(left)
+        return self.outcomes.wait(request_id, timeout)
 
     def admit(
         self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from cluster.redis_server import free_port
+from cluster.redis_process import free_port
 from cluster.state import ClusterState, StateUnavailable
 
 PASSWORD = "s3cret-never-shown"
