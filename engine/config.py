@@ -9,6 +9,7 @@ import torch
 from engine.kv_codec import KV_DTYPES
 from engine.roles import ROLES, Role
 
+CPU_PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk
 # "int8": weights quantized per channel, activations in fp32 (and the KV cache, unless kv_dtype says otherwise).
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -62,6 +63,10 @@ class EngineConfig:
     num_blocks: int = 2048
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # Tokens of one prompt a step at most, so that a long prompt leaves room in every step for
+    # the short ones behind it (None: CPU_PREFILL_CHUNK on the CPU, the whole budget elsewhere;
+    # 0: the whole budget). See `prefill_chunk`.
+    max_prefill_chunk: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     role: Role = "colocated"
@@ -80,6 +85,8 @@ class EngineConfig:
             raise ValueError("block_size and num_blocks must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be >= 0 (0: the whole budget), got {self.max_prefill_chunk}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -96,6 +103,20 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens of one prompt a step at most, resolved (the budget when not capped).
+
+        Measured on the CPU (SmolLM2 int8, 1 and 2 threads): a 64-token prompt that arrives as a
+        2K, 4K or 8K one starts waited for all of it, 4.8 / 12.3 / 21-24 s; capped at 512 it
+        waits one chunk, 0.4-0.8 s, and the long prompt's own time did not move beyond noise.
+        Not measured on a GPU, where per-step cost weighs more: off there by default."""
+        if self.max_prefill_chunk is None:
+            cap = CPU_PREFILL_CHUNK if self.torch_device.type == "cpu" else 0
+        else:
+            cap = self.max_prefill_chunk
+        return min(cap, self.max_num_batched_tokens) if cap else self.max_num_batched_tokens
 
     @property
     def num_gpus(self) -> int:

@@ -58,7 +58,7 @@ class Engine:
         # with graphs, one block more than the block manager hands out: padding rows write there
         blocks = config.num_blocks + (1 if graphed else 0)
         self.cache = PagedKVCache(model.config, blocks, config.block_size, model.dtype, codec, model.device)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk)
         self.runner = ModelRunner(model, self.cache, self.kv)
         if graphed:
             widest = -(-self.max_model_len // config.block_size)

@@ -13,7 +13,9 @@ from engine.engine import Engine
 from engine.speculation import Speculator
 
 # What switching in place can change; any other field differing needs another engine.
-IN_PLACE_FIELDS = frozenset({"role", "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens"})
+IN_PLACE_FIELDS = frozenset(
+    {"role", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "speculative", "num_speculative_tokens"}
+)
 
 
 def check_switch(engine: Engine, config: EngineConfig) -> None:
@@ -33,6 +35,7 @@ def switch_role(engine: Engine, config: EngineConfig) -> None:
     engine.config = config
     engine.scheduler.max_num_seqs = config.max_num_seqs
     engine.scheduler.max_num_batched_tokens = config.max_num_batched_tokens
+    engine.scheduler.prefill_chunk = config.prefill_chunk
     engine.speculator = None
     if config.speculative and config.role != "prefill":
         engine.speculator = Speculator(

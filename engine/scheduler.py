@@ -1,10 +1,12 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
 Each step spends a token budget: first on running requests (a decode costs one token,
-an unfinished prefill the rest of its prompt, cut to the budget), then on waiting
-requests in (priority, arrival) order. When blocks run out, the running request that
-would run last is preempted: its blocks are freed and it goes back to waiting, to be
-recomputed from its tokens later (its prefix may still be cached).
+an unfinished prefill the rest of its prompt, cut to the budget and to `prefill_chunk`),
+then on waiting requests in (priority, arrival) order. The chunk cap is what lets a short
+prompt that arrives behind a long one start at the next step instead of after all of it.
+When blocks run out, the running request that would run last is preempted: its blocks are
+freed and it goes back to waiting, to be recomputed from its tokens later (its prefix may
+still be cached).
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int = 0
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk  # tokens of one prompt a step at most (0: the budget)
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple[int, int], Request]] = []
         self.requests: dict[str, Request] = {}
@@ -88,7 +93,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
             draft, req.draft = (req.draft if n == 1 and len(req.draft) < budget else ()), ()
             n += len(draft)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
@@ -107,7 +112,7 @@ class Scheduler:
             if not external_kv:
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.token_ids)
                 req.num_cached_tokens = req.num_computed_tokens
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 if not external_kv:
                     self.kv.free(req.request_id)  # give back prefix hits; look up again next time
@@ -125,6 +130,10 @@ class Scheduler:
             prefills=[c for c in chunks if c.num_new_tokens > 1 and not c.draft],
             preempted=preempted,
         )
+
+    @property
+    def _chunk_cap(self) -> int:
+        return self.prefill_chunk or self.max_num_batched_tokens
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

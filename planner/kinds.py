@@ -87,7 +87,9 @@ def from_hardware(hw: Hardware, config: ModelConfig, model: str, dtype: str, pri
     kv_tokens = int((hw.mem_bytes * GPU_KV_SHARE - shape.weight_bytes) / shape.kv_bytes_per_token)
     if kv_tokens < 1:
         raise ValueError(f"{model} in {dtype} does not fit in {hw.name}'s {hw.mem_bytes / 1e9:.0f} GB")
-    worker = WorkerSpec(StepCosts.fit(profile), kv_tokens, GPU_MAX_BATCH, GPU_TOKEN_BUDGET)
+    worker = WorkerSpec(
+        StepCosts.fit(profile), kv_tokens, GPU_MAX_BATCH, GPU_TOKEN_BUDGET, prefill_chunk=0
+    )  # as the engine on CUDA
     return NodeKind(hw.name, worker, price, available, hw.link_gbps or 10.0)
 
 

@@ -1,8 +1,9 @@
 """A discrete-event simulation of the router and its pools, driven by step costs and a trace.
 
     arrival --route--> prefill worker: FIFO queue; each step runs chunks of the queue's head
-                       requests, up to the token budget; the last chunk's step end is the
-                       first token (TTFT), then the KV transfer starts
+                       requests (each at most `prefill_chunk` tokens), up to the token budget;
+                       the last chunk's step end is the first token (TTFT), then the KV
+                       transfer starts
             --transfer (fixed + per token)--> decode worker: joins the batch at the next step
                        boundary with room (max_batch, KV reserved for prompt + output); each step
                        gives every running request a token
@@ -39,6 +40,7 @@ class WorkerSpec:
     kv_tokens: int = 2048 * 16  # KV capacity; a request reserves prompt + output tokens
     max_batch: int = 128  # requests decoding at once (max_num_seqs)
     token_budget: int = 2048  # tokens a step (max_num_batched_tokens)
+    prefill_chunk: int = 512  # tokens of one prompt a step (EngineConfig.prefill_chunk on the CPU); 0: the budget
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class Simulator:
                     w.kv_used += need
                     w.started.add(r)
                 done = w.done[r]
-                chunk = min(tr.prompt[r] - tr.cached[r] - done, budget)
+                chunk = min(tr.prompt[r] - tr.cached[r] - done, budget, spec.prefill_chunk or budget)
                 w.prefilling.append((r, chunk))
                 attention += attention_work(chunk, tr.cached[r] + done)
                 tokens += chunk
@@ -229,8 +231,7 @@ class Simulator:
             if w.done[r] < tr.prompt[r] - tr.cached[r]:
                 continue
             del w.done[r]
-            head = w.queue.popleft()
-            assert head == r, "prefills complete in queue order"
+            w.queue.remove(r)  # near the head: a short prompt may finish before a long one ahead of it
             self.first[r] = self.now
             if w.role == "colocated":
                 w.started.discard(r)

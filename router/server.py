@@ -70,6 +70,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "section, not yet run on a GPU); auto: cuda where the worker finds one, claiming none",
     )
     ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    chunk_help = "tokens of one prompt a step (so short prompts pass long ones); default 512 on CPU, 0: whole budget"
+    ap.add_argument("--max-prefill-chunk", type=int, default=None, help=chunk_help)
     ap.add_argument(
         "--threads",
         type=int,
@@ -237,24 +239,28 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads
     if not threads and not args.join and "RAY_ADDRESS" not in os.environ:  # every worker on this host
         threads = threads_per_worker(os.cpu_count() or 1, prefill + decode + args.colocated)
-    config = ClusterConfig(
-        model_path=args.model,
-        namespace=args.namespace,
-        prefill=prefill,
-        decode=decode,
-        colocated=args.colocated,
-        engine=EngineConfig(
-            dtype=args.dtype,
-            num_blocks=args.num_blocks,
-            num_threads=threads or None,
-            speculative="" if args.speculative == "off" else args.speculative,
-            kv_dtype=args.kv_dtype,
-            device=args.device,
-        ),
-        transport=args.transport,
-        kv_tls=_kv_tls(args),
-        write_back=args.write_back,
-    )
+    try:  # a bad engine or pool option: one line, not a traceback
+        config = ClusterConfig(
+            model_path=args.model,
+            namespace=args.namespace,
+            prefill=prefill,
+            decode=decode,
+            colocated=args.colocated,
+            engine=EngineConfig(
+                dtype=args.dtype,
+                num_blocks=args.num_blocks,
+                max_prefill_chunk=args.max_prefill_chunk,
+                num_threads=threads or None,
+                speculative="" if args.speculative == "off" else args.speculative,
+                kv_dtype=args.kv_dtype,
+                device=args.device,
+            ),
+            transport=args.transport,
+            kv_tls=_kv_tls(args),
+            write_back=args.write_back,
+        )
+    except ValueError as e:
+        raise SystemExit(f"tandem serve: {e}") from None
     started = time.monotonic()
     dtype = f"auto -> {config.engine.weight_dtype}" if args.dtype == "auto" else args.dtype  # as on this host
     print(

@@ -66,6 +66,39 @@ def test_chunked_prefill_equals_unchunked(tiny_model: LlamaModel) -> None:
     assert_all_free(chunked)
 
 
+def test_a_short_prompt_runs_beside_a_long_ones_chunks_not_after_them(tiny_model: LlamaModel) -> None:
+    """max_prefill_chunk: a long prompt takes at most that many tokens a step, so one that came
+    with it gets its first token at the first step; both answers are a lone run's."""
+    long, short = list(range(1, 61)), [7, 8, 9, 10, 11]
+    e = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=64, max_prefill_chunk=8)
+    e.add_request("long", long, GREEDY)
+    e.add_request("short", short, GREEDY)
+    first = e.scheduler.schedule()
+    assert [(c.request.request_id, c.num_new_tokens) for c in first.prefills] == [("long", 8), ("short", 5)]
+    e.scheduler.finish(e.scheduler.requests["long"], "test")  # undo the peek: start afresh
+    e.scheduler.finish(e.scheduler.requests["short"], "test")
+    e.check_integrity()
+    assert run_all(e, {0: [("long", long), ("short", short)]}) == {"long": alone(tiny_model, long),
+                                                                    "short": alone(tiny_model, short)}  # fmt: skip
+    assert_all_free(e)
+    uncapped = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=64, max_prefill_chunk=0)
+    uncapped.add_request("long", long, GREEDY)
+    uncapped.add_request("short", short, GREEDY)
+    assert [c.num_new_tokens for c in uncapped.scheduler.schedule().prefills] == [60, 4], "the budget cuts only"
+
+
+def test_the_prefill_chunk_resolves_per_device() -> None:
+    from engine.config import CPU_PREFILL_CHUNK, EngineConfig
+
+    assert EngineConfig().prefill_chunk == CPU_PREFILL_CHUNK
+    assert EngineConfig(max_num_batched_tokens=256).prefill_chunk == 256, "never over the budget"
+    assert EngineConfig(max_prefill_chunk=0).prefill_chunk == 2048, "0: the whole budget"
+    assert EngineConfig(max_prefill_chunk=100).prefill_chunk == 100
+    assert EngineConfig(device="meta").prefill_chunk == 2048, "off the CPU: the budget, unless set"
+    with pytest.raises(ValueError, match="max_prefill_chunk"):
+        EngineConfig(max_prefill_chunk=-1)
+
+
 def test_prefix_cache_hit_equals_miss(tiny_model: LlamaModel) -> None:
     shared = list(range(1, 30))
     e = make_engine(tiny_model, num_blocks=64)

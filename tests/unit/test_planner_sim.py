@@ -77,9 +77,20 @@ def test_cached_prompt_tokens_are_not_computed() -> None:
 def test_colocated_steps_mix_decodes_and_chunks() -> None:
     # step 1: A's prefill (0.1). step 2: A decodes + 2047 of B's tokens (0.01 + 2.047). step 3: A's
     # last token + B's last 953 tokens (0.01 + 0.953), B's first token. step 4: B decodes (0.01).
-    out = simulate(ClusterSpec(colocated=(WorkerSpec(COSTS),)), Trace.of([(0.0, 100, 0, 3, ""), (0.0, 3000, 0, 2, "")]))
+    w = WorkerSpec(COSTS, prefill_chunk=0)  # a prompt's chunk is cut by the budget only
+    out = simulate(ClusterSpec(colocated=(w,)), Trace.of([(0.0, 100, 0, 3, ""), (0.0, 3000, 0, 2, "")]))
     assert out.ttft == approx((0.1, 0.1 + 2.057 + 0.963))
     assert out.e2e == approx((3.12, 3.13))
+
+
+def test_a_short_prompt_behind_a_long_one_waits_one_chunk_not_all_of_it() -> None:
+    # A (2,000 tokens) then B (100) arrive at 0 on one prefill worker, 1 ms a token; A's step
+    # starts before B is there. Chunks of 512: A's 512 (0.512), A's 512 + B's 100 (1.124: B's
+    # first token), A's 512, 464 (2.1). Uncapped: A's 2,000 (2.0), then B's 100 (2.1).
+    trace = Trace.of([(0.0, 2000, 0, 1, ""), (0.0, 100, 0, 1, "")])
+    for chunk, expect in ((512, (2.1, 1.124)), (0, (2.0, 2.1))):
+        w = WorkerSpec(COSTS, prefill_chunk=chunk)
+        assert simulate(ClusterSpec(prefill=(w,), decode=(w,)), trace).ttft == approx(expect)
 
 
 def test_routing_spreads_requests_over_the_least_loaded() -> None:

@@ -102,3 +102,17 @@ def test_a_port_out_of_range_is_a_usage_error(port: str, capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as exit_:
         main([f"--port={port}"])
     assert exit_.value.code == 2 and f"argument --port: '{port}' is not a TCP port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--max-prefill-chunk", "-1"], "max_prefill_chunk must be >= 0"),
+        (["--num-blocks", "0"], "num_blocks must be >= 1"),
+    ],
+)
+def test_a_bad_engine_option_is_one_line_before_anything_starts(flags: list[str], said: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--port", str(free_port()), *flags])
+    assert str(exit_.value.code).startswith("tandem serve: ") and said in str(exit_.value.code)
+    assert not ray.is_initialized()
