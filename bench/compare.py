@@ -89,6 +89,7 @@ class Plan:
     max_seconds: float  # of sending per rate, at most
     probe_requests: int  # per request class
     num_blocks: int = 1024
+    max_prefill_chunk: int | None = None  # EngineConfig's (None: its default)
 
     def __post_init__(self) -> None:
         if len({s.cores for s in self.systems}) != 1:
@@ -141,7 +142,9 @@ def run_system(
         prefill=system.prefill,
         decode=system.decode,
         colocated=system.colocated,
-        engine=EngineConfig(num_blocks=plan.num_blocks, num_threads=system.threads),
+        engine=EngineConfig(
+            num_blocks=plan.num_blocks, num_threads=system.threads, max_prefill_chunk=plan.max_prefill_chunk
+        ),
     )
     out: dict[str, MixRun] = {}
     with running_cluster(config) as cluster, serving(cluster, False, **dict(system.router)) as url:
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--max-prefill-chunk", type=int, default=None, help="every worker's (0: the whole budget)")
     ap.add_argument("--spill-too", action="store_true", help="also run P/D with the spill route on, same rates")
     names = [s.name for s in FULL.systems]
     ap.add_argument("--system", action="append", choices=names, help="only this system (repeatable; default all)")
@@ -184,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, systems=tuple(s for s in plan.systems if s.name in args.system))
         if not any(s.pd for s in plan.systems) or all(s.pd for s in plan.systems):
             ap.error("--system: name a colocated system and the P/D one (the SLOs come from colocated)")
+    if args.max_prefill_chunk is not None:
+        plan = replace(plan, max_prefill_chunk=args.max_prefill_chunk)
     if args.spill_too:
         plan = replace(plan, systems=(*plan.systems, PD_SPILL))
     scales = (args.ttft_scale, args.tpot_scale)
@@ -194,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     res = evaluate(measured, plan, scales)
     meta = {"quick": args.quick, "seed": args.seed, "elapsed_s": time.monotonic() - t0, "cores": plan.systems[0].cores,
-            "systems": [{**vars(s), "cores": s.cores} for s in plan.systems], "base_rps": base}  # fmt: skip
+            "systems": [{**vars(s), "cores": s.cores} for s in plan.systems], "base_rps": base,
+            "max_prefill_chunk": plan.max_prefill_chunk}  # fmt: skip
     files: list[str] = []
     if args.out:
         out = Path(args.out)
