@@ -25,6 +25,7 @@ BENCHES = {
     "efficiency": "bench.efficiency",
     "spec": "bench.spec_bench",
     "planner": "bench.planner_bench",
+    "hol": "bench.hol_bench",
 }
 
 

@@ -128,11 +128,10 @@ class RoutingPolicy:
     the prefill worker it would go to has `busy_prefill_tokens` queued (a short chat would
     wait behind long prompts), or no prefill worker is up. The bound is what the running
     streams there pay: the rest is prefilled in the decode engine's steps, and 256 tokens (a
-    chat message and its template) fit in one step of the default token budget
-    (EngineConfig.max_num_batched_tokens, 2048) and cost about as much compute as that many
-    decode tokens, one stretched step for the batch, where P/D would recompute the answer and
-    move the whole history's KV. Keep it under the decode engines' max_num_batched_tokens, so
-    that it never takes more than one step.
+    chat message and its template) fit in one step's chunk of a prompt (EngineConfig.prefill_chunk,
+    512 on the CPU) and cost about as much compute as that many decode tokens, one stretched
+    step for the batch, where P/D would recompute the answer and move the whole history's KV.
+    Keep it under the decode engines' prefill_chunk, so that it never takes more than one step.
 
     busy_prefill_tokens: tokens queued on a prefill worker from which a short prompt runs local
     instead: 1024 is about a second of waiting on one CPU core, against one stretched step for
