@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from router.server import PortUnavailable, check_port_free, main
+from router.port_check import PortUnavailable, check_port_free
+from router.server import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
