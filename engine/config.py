@@ -108,9 +108,9 @@ class EngineConfig:
     def prefill_chunk(self) -> int:
         """Tokens of one prompt a step at most, resolved (the budget when not capped).
 
-        Measured on the CPU (SmolLM2 int8, 1 and 2 threads): a 64-token prompt that arrives as a
-        2K, 4K or 8K one starts waited for all of it, 4.8 / 12.3 / 21-24 s; capped at 512 it
-        waits one chunk, 0.4-0.8 s, and the long prompt's own time did not move beyond noise.
+        Measured on the CPU (`tandem bench hol`, SmolLM2 int8, 1 thread): a 64-token prompt that
+        arrives with a 2K, 4K or 8K one waited for all of it, 4.4 / 12.2 / 37.7 s; capped at 512
+        it waits about one chunk, 0.8 s, and the long prompt alone takes as long as before.
         Not measured on a GPU, where per-step cost weighs more: off there by default."""
         if self.max_prefill_chunk is None:
             cap = CPU_PREFILL_CHUNK if self.torch_device.type == "cpu" else 0
