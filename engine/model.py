@@ -2,6 +2,8 @@
 
 Plain tensors, no nn.Module: the forward is a straight line of torch ops, so the
 per-token Python cost is one call per op. Q/K/V and gate/up are fused into one matmul each.
+A step of decode rows only, in fp32 on the CPU, runs its small ops and its attention as C
+calls instead (engine/native.py): there, dispatch was most of the step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.linear import Projection
+from engine.native import MAX_HEAD_DIM, NativeOps, ops
 from engine.paged_cache import PagedKVCache
 from engine.weights import Weights
 
@@ -116,8 +119,11 @@ class LlamaModel:
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
+        # the decode step's fused C ops (engine/native.py): fp32 on the CPU only
+        self.native = ops() if dtype == torch.float32 and d <= MAX_HEAD_DIM else None
         self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        # sin with rotate_half's sign folded in: -sin on the first half, +sin on the second
+        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +141,8 @@ class LlamaModel:
             LayerWeights(lw.attn_norm.to(device), lw.qkv, lw.o, lw.mlp_norm.to(device), lw.gate_up, lw.down)
             for lw in self.layers
         ]
+        if device.type != "cpu":
+            self.native = None
         tied = self._lm_head_weight is self.embed
         self.embed, self.norm = self.embed.to(device), self.norm.to(device)
         self._lm_head_weight = self.embed if tied else self._lm_head_weight.to(device)
@@ -149,11 +157,13 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """HF's `x * cos + rotate_half(x) * sin`, bit for bit, in 4 ops instead of 7: rotate_half
+        is a roll by half a head with the sign in `signed_sin`. x: [T, heads, head_dim]; cos and
+        signed_sin: [T, 1, head_dim]."""
+        rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+        return x.mul(cos).add_(rotated)
 
     @torch.inference_mode()
     def forward(
@@ -171,6 +181,8 @@ class LlamaModel:
         called right after layer i's KV is written, so a sender can ship it while the next
         layers compute.
         """
+        if self.native is not None and self._fits_native(positions, cache, meta):
+            return self._decode_native(self.native, input_ids, positions, cache, meta, logits_indices, on_layer_done)
         cfg = self.config
         t = input_ids.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -195,7 +207,59 @@ class LlamaModel:
             gu = lw.gate_up(x)  # [T, 2 * intermediate]
             g, u = gu.chunk(2, dim=-1)
             h = h + lw.down(F.silu(g) * u)
-        h = self._rms_norm(h[logits_indices], self.norm)  # [S, hidden]
+        return self._logits(h[logits_indices])
+
+    def _fits_native(self, positions: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C ops take as it is: decode rows only, an fp32 cache stored
+        as is, int64 indices laid out as the runner builds them, every position in the RoPE table
+        (the C side checks no bounds; anything else runs the torch ops, which do)."""
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        return (
+            not meta.prefills
+            and tables is not None
+            and lens is not None
+            and cache.codec.passthrough
+            and cache.dtype == self.dtype
+            and meta.decode_max_len <= self.config.max_position
+            and all(x.dtype == torch.int64 for x in (positions, meta.slot_mapping, tables, lens))
+            and tables.is_contiguous()
+        )
+
+    def _decode_native(
+        self,
+        native: NativeOps,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        on_layer_done: LayerCallback | None,
+    ) -> torch.Tensor:
+        """`forward` of a batch of decode rows only, its small ops fused (engine/native.py): each
+        layer is the four matmuls and four C calls. Same cache writes; the same logits to fp32
+        rounding (RoPE bit for bit; norms, SiLU and attention sum in another order)."""
+        cfg, nh, eps = self.config, self.config.num_heads, self.config.rms_norm_eps
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        assert tables is not None and lens is not None
+        h = F.embedding(input_ids, self.embed)  # [T, hidden], a new tensor: updated in place below
+        delta: torch.Tensor | None = None  # what the last layer adds to h
+        for i, lw in enumerate(self.layers):
+            x = native.rms_norm(h, lw.attn_norm, eps, delta)
+            qkv = lw.qkv(x)
+            k_cache, v_cache = cache.k_flat[i], cache.v_flat[i]
+            native.rope_write(qkv, nh, cfg.num_kv_heads, positions, self.cos, self.sin, meta.slot_mapping, k_cache,
+                              v_cache)  # fmt: skip
+            if on_layer_done is not None:
+                on_layer_done(i)
+            a = native.decode_attention(qkv, nh, k_cache, v_cache, tables, lens, cache.block_size)
+            x = native.rms_norm(h, lw.mlp_norm, eps, lw.o(a))
+            delta = lw.down(native.silu_mul(lw.gate_up(x)))
+        assert delta is not None
+        return self._logits((h + delta)[logits_indices])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head over the rows to sample: [S, hidden] -> fp32 [S, vocab]."""
+        h = self._rms_norm(h, self.norm)
         if self.lm_head is not None:
             return self.lm_head(h).float()  # [S, vocab]
         return F.linear(h, self._lm_head_weight).float()  # [S, vocab]

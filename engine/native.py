@@ -1,0 +1,161 @@
+"""The decode step's small ops and its attention as one C call each (engine/csrc/decode.c), built
+on first use.
+
+On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torch ops on a
+576-wide row at ~3 us apiece, and the KV of every decode row was gathered (copied) before SDPA
+read it. The C functions fuse RMSNorm with its residual add, RoPE with the KV-cache write, SiLU
+with its multiply, and attention reads the paged cache in place, split into segments of keys
+over torch's own OpenMP threads (the library links the libgomp torch loaded, so the engine
+loop's thread keeps one team: engine/torch_threads.py). A layer is the four int8 matmuls and
+four C calls. Measured (int8 SmolLM2, 2 cores, alternated in one process): a decode step of 1
+row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K context 57.8 -> 31.6 ms.
+
+The library is compiled with the system's C compiler (`cc`, or `$CC`) for this CPU
+(-march=native) into `$XDG_CACHE_HOME/tandem/native/<hash>.so` (default ~/.cache), keyed by the
+source, the flags, the compiler and the CPU's flags; written to a temporary file and renamed, so
+workers starting together never load half a file. Without a compiler, or with TANDEM_NATIVE=0,
+`ops()` is None and the engine runs its torch ops (logged once, with the reason).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.linear import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode.c"
+# -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
+# multiply-adds, so RoPE rounds as torch's separate ops do
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
+MAX_HEAD_DIM = 512  # rope_write's scratch row
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": (_P, _P, _P, _P, _I, _I, _F),
+    "silu_mul": (_P, _P, _I, _I),
+    "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P),
+    "decode_attention": (_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
+}
+
+
+class NativeOps:
+    """Typed calls into the built library. Every tensor is fp32 (int64 for indices), on the CPU,
+    and contiguous where the C side says so; callers (engine/model.py) guarantee it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x's rows, scaled by w; with delta, x += delta first (in place)."""
+        out = torch.empty_like(x)
+        rows, n = x.shape
+        self._lib.rms_norm(x.data_ptr(), delta.data_ptr() if delta is not None else None, w.data_ptr(),
+                           out.data_ptr(), rows, n, eps)  # fmt: skip
+        return out
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gu = [gate | up], [rows, 2n] -> [rows, n]."""
+        rows, n = gu.shape[0], gu.shape[1] // 2
+        out = gu.new_empty(rows, n)
+        self._lib.silu_mul(gu.data_ptr(), out.data_ptr(), rows, n)
+        return out
+
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """RoPE on qkv's q and k heads, in place, then its k and v heads into the caches at slots."""
+        head_dim = cos.shape[-1]
+        self._lib.rope_write(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim,
+                             positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
+                             k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
+
+    def decode_attention(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Each row's attention over its own context, read from the cache in place, its q heads read
+        from qkv: [rows, heads * D], on torch's threads."""
+        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        rows = qkv.shape[0]
+        out = qkv.new_empty(rows, heads * head_dim)
+        self._lib.decode_attention(qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, heads, kv_heads,
+                                   head_dim, block_size, head_dim**-0.5, torch.get_num_threads(),
+                                   out.data_ptr())  # fmt: skip
+        return out
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    """Where the library built by `compiler` for this source and CPU lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))):
+        h.update(part.encode())
+    return cache_dir / f"decode-{h.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path, compiler: str) -> Path:
+    """The library, compiled unless already there. Raises OSError or CalledProcessError."""
+    path = library_path(cache_dir, compiler)
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-shared", "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "native"
+
+
+@functools.cache
+def ops() -> NativeOps | None:
+    """The fused ops for this process, or None (logged once, with why) where they cannot be had."""
+    if os.environ.get("TANDEM_NATIVE", "1") == "0":
+        log.info("native decode ops off (TANDEM_NATIVE=0): the decode step runs torch ops")
+        return None
+    compiler = os.environ.get("CC", "cc")
+    try:
+        lib = ctypes.CDLL(str(build(_cache_dir(), compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        log.warning("native decode ops unavailable (%s: %s): the decode step runs torch ops", compiler, detail)
+        return None
+    return NativeOps(lib)

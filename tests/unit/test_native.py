@@ -1,0 +1,143 @@
+"""engine/native.py: the decode step's C ops against the torch ops they replace, the model's decode
+through them against its torch path, and the build: cached, and cleanly off or missing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import native
+from engine.model import LlamaModel
+from engine.sampling_params import SamplingParams
+from tests.unit.test_paged_decode import dense_reference, random_tables
+from tests.unit.tiny import TINY, make_engine, tiny_weights
+
+HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
+
+
+@pytest.fixture(scope="module")
+def ops() -> native.NativeOps:
+    if not HAS_CC:
+        pytest.skip("no C compiler: the engine runs its torch ops (tested below)")
+    built = native.ops()
+    assert built is not None, "a C compiler is here, so the library must build"
+    return built
+
+
+@pytest.fixture
+def fresh_ops() -> Iterator[None]:
+    """native.ops() decided again in the test, and again after it (for the other tests)."""
+    native.ops.cache_clear()
+    yield
+    native.ops.cache_clear()
+
+
+def test_rms_norm_and_its_residual_add(ops: native.NativeOps) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, delta, w = torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen), torch.randn(576)
+    expected_x = x + delta
+    expected = expected_x * torch.rsqrt(expected_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    out = ops.rms_norm(x, w, 1e-5, delta)
+    assert torch.equal(x, expected_x)  # the add is done in place, exactly
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops.rms_norm(expected_x.clone(), w, 1e-5), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_over_the_whole_range(ops: native.NativeOps) -> None:
+    g = torch.cat([torch.linspace(-120, 120, 997), torch.randn(1051, generator=torch.Generator().manual_seed(1))])
+    u = torch.randn(g.numel(), generator=torch.Generator().manual_seed(2))
+    gu = torch.cat([g.view(2, -1), u.view(2, -1)], dim=1)  # [2, 2n]: gate | up per row
+    expected = F.silu(g.view(2, -1)) * u.view(2, -1)
+    torch.testing.assert_close(ops.silu_mul(gu), expected, rtol=2e-6, atol=1e-7)
+
+
+def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeOps) -> None:
+    model = LlamaModel(TINY, tiny_weights(), torch.float32)
+    nh, nkv, d = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, TINY.q_size + 2 * TINY.kv_size, generator=gen)
+    positions = torch.tensor([0, 1, 7, 100, 511, 3])
+    slots = torch.tensor([9, 2, 30, 31, 0, 17])
+    k_cache, v_cache = torch.zeros(32, nkv, d), torch.zeros(32, nkv, d)
+    qk = qkv[:, : TINY.q_size + TINY.kv_size].reshape(6, nh + nkv, d)
+    expected = model._rope(qk, model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1))
+    v = qkv[:, TINY.q_size + TINY.kv_size :].reshape(6, nkv, d).clone()
+    ops.rope_write(qkv, nh, nkv, positions, model.cos, model.sin, slots, k_cache, v_cache)
+    assert torch.equal(qkv[:, : TINY.q_size + TINY.kv_size].reshape(6, nh + nkv, d), expected)
+    assert torch.equal(k_cache[slots], expected[:, nh:]) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 16, 17], [300, 7, 129, 64], [1000, 1], [1537, 512, 513]])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+def test_decode_attention_reads_the_paged_cache(ops: native.NativeOps, lens: list[int], heads: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(len(lens) * 1000 + sum(lens))
+    bs, d, num_blocks = 16, 64, 128
+    nh, nkv = heads
+    k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
+    qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)  # q read in place: a strided row
+    tables = random_tables(gen, lens, num_blocks, bs)
+    got = ops.decode_attention(qkv, nh, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs)
+    q = qkv[:, : nh * d].reshape(len(lens), nh, d)
+    expected = dense_reference(q, k_cache, v_cache, tables, lens, bs)
+    torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_the_models_decode_through_them_equals_its_torch_path(ops: native.NativeOps) -> None:
+    model = LlamaModel(TINY, tiny_weights(), torch.float32)
+    assert model.native is ops
+    prompts = [[5, 9, 11], list(range(1, 40)), [7] * 17, [100, 2]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    results = []
+    for fused in (ops, None):
+        model.native = fused
+        engine = make_engine(model, num_blocks=128)
+        results.append(engine.generate(prompts, params) + engine.generate(prompts[1:2], params))
+        engine.check_integrity()
+    for c_out, torch_out in zip(*results, strict=True):
+        assert c_out.token_ids == torch_out.token_ids
+        for a, b in zip(c_out.logprobs, torch_out.logprobs, strict=True):
+            assert a is not None and b is not None
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_the_build_is_cached(tmp_path: Path) -> None:
+    if not HAS_CC:
+        pytest.skip("no C compiler")
+    cc = os.environ.get("CC", "cc")
+    first = native.build(tmp_path, cc)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(tmp_path, cc) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_without_a_compiler_the_engine_runs_its_torch_ops(
+    fresh_ops: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="engine.native"):
+        assert native.ops() is None
+    assert "native decode ops unavailable" in caplog.text
+    model = LlamaModel(TINY, tiny_weights(), torch.float32)
+    assert model.native is None
+    engine = make_engine(model, num_blocks=64)
+    out = engine.generate([[5, 9, 11]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+    engine.check_integrity()
+
+
+def test_tandem_native_0_turns_them_off(fresh_ops: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_NATIVE", "0")
+    assert native.ops() is None
+    assert LlamaModel(TINY, tiny_weights(), torch.float32).native is None
