@@ -56,7 +56,7 @@ class NativeOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = ctypes.c_int if name == "decode_attention" else None
         self._lib = lib
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,14 +103,16 @@ class NativeOps:
         block_size: int,
     ) -> torch.Tensor:
         """Each row's attention over its own context, read from the cache in place, its q heads read
-        from qkv: [rows, heads * D], on torch's threads."""
+        from qkv: [rows, heads * D], on torch's threads. Raises MemoryError without scratch."""
         kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         rows = qkv.shape[0]
         out = qkv.new_empty(rows, heads * head_dim)
-        self._lib.decode_attention(qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                   tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, heads, kv_heads,
-                                   head_dim, block_size, head_dim**-0.5, torch.get_num_threads(),
-                                   out.data_ptr())  # fmt: skip
+        status = self._lib.decode_attention(qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                            tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, heads,
+                                            kv_heads, head_dim, block_size, head_dim**-0.5, torch.get_num_threads(),
+                                            out.data_ptr())  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"decode attention's scratch for {rows} rows of {int(lens.max())} tokens")
         return out
 
 

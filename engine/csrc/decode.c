@@ -2,9 +2,10 @@
  * arithmetic of these but the ~40 torch dispatches a layer they take (see engine/native.py).
  *
  * fp32 only, plain loops that gcc vectorizes (-O3 -march=native); attention runs on OpenMP
- * threads, the rest on the caller's (decode rows are few). Built with -ffp-contract=off, so a*b + c rounds twice as torch's separate ops do: RoPE is
- * bit-identical to torch's; RMSNorm, SiLU and attention differ in the last bits (their
- * sums and exp run in another order and another polynomial).
+ * threads, the rest on the caller's (decode rows are few). Built with -ffp-contract=off, so
+ * a*b + c rounds twice as torch's separate ops do: RoPE is bit-identical to torch's; RMSNorm,
+ * SiLU and attention differ in the last bits (their sums and exp run in another order and
+ * another polynomial).
  *
  * Layouts (all row-major, contiguous unless a stride is given):
  *   qkv      [rows, qkv_stride]: q heads, then k heads, then v heads, each head_dim wide
@@ -15,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 16
 
@@ -149,32 +153,38 @@ static void attend_segment(const float *q, const float *k_cache, const float *v_
 /* Each decode row's attention over its own context, straight from the paged cache, each query
  * head with the kv head its group shares (GQA). Work items (row, segment of SEGMENT keys) run on
  * `threads` OpenMP threads (the caller's team: torch's), then each row's segments are merged by
- * their maxima. q [rows, q_stride], its heads first; out [rows, heads * head_dim]. */
-void decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t threads,
-                      float *out) {
+ * their maxima. q [rows, q_stride], its heads first; out [rows, heads * head_dim]. Returns 0, or
+ * -1 with out untouched when its scratch cannot be allocated. */
+int decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t threads,
+                     float *out) {
     int64_t max_segs = 1;
     for (int64_t r = 0; r < rows; r++) {
         int64_t segs = (lens[r] + SEGMENT - 1) / SEGMENT;
         max_segs = segs > max_segs ? segs : max_segs;
     }
-    int64_t items = rows * max_segs, per_item = heads * (2 + head_dim);
+    int64_t items = rows * max_segs, per_item = heads * (2 + head_dim), team = threads > 0 ? threads : 1;
     float *partial = malloc(items * per_item * sizeof(float)); /* m[heads], l[heads], o[heads][D] */
-    if (!partial) return;
-#pragma omp parallel num_threads(threads)
-    {
-        float *scores = malloc(heads * SEGMENT * sizeof(float));
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t r = it / max_segs, begin = it % max_segs * SEGMENT;
-            int64_t end = begin + SEGMENT < lens[r] ? begin + SEGMENT : lens[r];
-            float *m = partial + it * per_item, *l = m + heads, *o = l + heads;
-            if (begin < end && scores)
-                attend_segment(q + r * q_stride, k_cache, v_cache, tables + r * table_stride, begin, end, heads,
-                               kv_heads, head_dim, block_size, scale, scores, m, l, o);
-        }
-        free(scores);
+    float *scratch = malloc(team * heads * SEGMENT * sizeof(float)); /* each thread's scores */
+    if (!partial || !scratch) {
+        free(partial);
+        free(scratch);
+        return -1;
+    }
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+#ifdef _OPENMP
+        float *scores = scratch + omp_get_thread_num() * heads * SEGMENT;
+#else
+        float *scores = scratch;
+#endif
+        int64_t r = it / max_segs, begin = it % max_segs * SEGMENT;
+        int64_t end = begin + SEGMENT < lens[r] ? begin + SEGMENT : lens[r];
+        float *m = partial + it * per_item, *l = m + heads, *o = l + heads;
+        if (begin < end)
+            attend_segment(q + r * q_stride, k_cache, v_cache, tables + r * table_stride, begin, end, heads,
+                           kv_heads, head_dim, block_size, scale, scores, m, l, o);
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t segs = (lens[r] + SEGMENT - 1) / SEGMENT;
@@ -194,4 +204,6 @@ void decode_attention(const float *q, int64_t q_stride, const float *k_cache, co
         }
     }
     free(partial);
+    free(scratch);
+    return 0;
 }
