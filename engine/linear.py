@@ -10,8 +10,33 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class RowQuantWeight:
+    """An int8 weight laid out for the C kernel that quantizes activations per row
+    (engine/csrc/linear_i8.c): 16 output channels x 4 inputs a 64-byte vector, as VNNI's dot
+    product reads them."""
+
+    packed: torch.Tensor  # int8 [out / 16, in / 4, 16, 4]
+    sums: torch.Tensor  # int32 [out]: 128 x each channel's sum (the activations' +128 offset)
+    scale: torch.Tensor  # fp32 [out]
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor) -> RowQuantWeight | None:
+        """qweight int8 [out, in], scale [out]; None where the shape does not tile (out a multiple
+        of 16, in of 4)."""
+        n, k = qweight.shape
+        if n % 16 or k % 4:
+            return None
+        packed = qweight.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        sums = (qweight.sum(dim=1, dtype=torch.int32) * 128).contiguous()
+        return cls(packed, sums, scale.float().contiguous(), n, k)
 
 
 class Projection:
@@ -43,6 +68,7 @@ class Projection:
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         self.int8 = "qweight" in state
+        self.rows: RowQuantWeight | None = None  # the per-row kernel's copy, once row_quantized() made it
         if self.int8:
             qw, scale = state["qweight"], state["scale"]
             self.out_features, self.in_features = qw.shape
@@ -52,6 +78,14 @@ class Projection:
         else:
             self._wt = state["wt"]
             self.in_features, self.out_features = self._wt.shape
+
+    def row_quantized(self) -> RowQuantWeight | None:
+        """The weight also laid out for the per-row kernel (kept in `rows`: a second copy of the
+        int8 bytes), or None for a float weight or a shape it does not tile."""
+        if self.int8 and self.rows is None:
+            q = torch.ops.quantized.linear_unpack(self._packed)[0]
+            self.rows = RowQuantWeight.from_int8(q.int_repr(), q.q_per_channel_scales())
+        return self.rows
 
     def to(self, device: torch.device) -> None:
         """Move the weight to `device`. Raises ValueError for int8 (fbgemm runs on the CPU only)."""

@@ -3,7 +3,9 @@
 Plain tensors, no nn.Module: the forward is a straight line of torch ops, so the
 per-token Python cost is one call per op. Q/K/V and gate/up are fused into one matmul each.
 A step of decode rows only, in fp32 on the CPU, runs its small ops and its attention as C
-calls instead (engine/native.py): there, dispatch was most of the step.
+calls instead (engine/native.py): there, dispatch was most of the step. Its int8 matmuls then
+quantize activations per row (engine/csrc/linear_i8.c), so a decode row's logits do not depend
+on the rows beside it.
 """
 
 from __future__ import annotations
@@ -121,9 +123,16 @@ class LlamaModel:
         emb = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
         # the decode step's fused C ops (engine/native.py): fp32 on the CPU only
         self.native = ops() if dtype == torch.float32 and d <= MAX_HEAD_DIM else None
+        if self.native is not None:
+            for proj in self._projections():
+                proj.row_quantized()  # int8: the decode step's per-row kernel reads its own copy
         self.cos = emb.cos().to(dtype)
         # sin with rotate_half's sign folded in: -sin on the first half, +sin on the second
         self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+
+    def _projections(self) -> list[Projection]:
+        layers = [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        return [*layers, *([self.lm_head] if self.lm_head is not None else [])]
 
     @property
     def device(self) -> torch.device:
@@ -133,9 +142,7 @@ class LlamaModel:
         """Move every weight and table to `device` (in place; returns self). Raises ValueError
         for an int8 model off the CPU."""
         device = torch.device(device)
-        projections = [lw.qkv for lw in self.layers] + [lw.o for lw in self.layers]
-        projections += [lw.gate_up for lw in self.layers] + [lw.down for lw in self.layers]
-        for p in [*projections, *([self.lm_head] if self.lm_head is not None else [])]:
+        for p in self._projections():
             p.to(device)
         self.layers = [
             LayerWeights(lw.attn_norm.to(device), lw.qkv, lw.o, lw.mlp_norm.to(device), lw.gate_up, lw.down)
@@ -245,21 +252,26 @@ class LlamaModel:
         delta: torch.Tensor | None = None  # what the last layer adds to h
         for i, lw in enumerate(self.layers):
             x = native.rms_norm(h, lw.attn_norm, eps, delta)
-            qkv = lw.qkv(x)
+            qkv = _project(native, lw.qkv, x)
             k_cache, v_cache = cache.k_flat[i], cache.v_flat[i]
             native.rope_write(qkv, nh, cfg.num_kv_heads, positions, self.cos, self.sin, meta.slot_mapping, k_cache,
                               v_cache)  # fmt: skip
             if on_layer_done is not None:
                 on_layer_done(i)
             a = native.decode_attention(qkv, nh, k_cache, v_cache, tables, lens, cache.block_size)
-            x = native.rms_norm(h, lw.mlp_norm, eps, lw.o(a))
-            delta = lw.down(native.silu_mul(lw.gate_up(x)))
+            x = native.rms_norm(h, lw.mlp_norm, eps, _project(native, lw.o, a))
+            delta = _project(native, lw.down, native.silu_mul(_project(native, lw.gate_up, x)))
         assert delta is not None
-        return self._logits((h + delta)[logits_indices])
+        return self._logits((h + delta)[logits_indices], native)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, native: NativeOps | None = None) -> torch.Tensor:
         """The final norm and the LM head over the rows to sample: [S, hidden] -> fp32 [S, vocab]."""
         h = self._rms_norm(h, self.norm)
         if self.lm_head is not None:
-            return self.lm_head(h).float()  # [S, vocab]
+            return (_project(native, self.lm_head, h) if native is not None else self.lm_head(h)).float()
         return F.linear(h, self._lm_head_weight).float()  # [S, vocab]
+
+
+def _project(native: NativeOps, p: Projection, x: torch.Tensor) -> torch.Tensor:
+    """p(x), through the per-row int8 kernel where p has its copy (x contiguous fp32)."""
+    return native.linear_i8(x, p.rows) if p.rows is not None else p(x)

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from engine.linear import cpu_flags
+from engine.linear import RowQuantWeight, cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode.c"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode.c", "linear_i8.c"))
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
@@ -46,7 +46,9 @@ _SIGNATURES = {
     "silu_mul": (_P, _P, _I, _I),
     "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P),
     "decode_attention": (_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
+    "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
 }
+_STATUS = ("decode_attention", "linear_i8")  # these return 0, or -1 without scratch
 
 
 class NativeOps:
@@ -56,7 +58,7 @@ class NativeOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = ctypes.c_int if name == "decode_attention" else None
+            getattr(lib, name).restype = ctypes.c_int if name in _STATUS else None
         self._lib = lib
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,11 +117,25 @@ class NativeOps:
             raise MemoryError(f"decode attention's scratch for {rows} rows of {int(lens.max())} tokens")
         return out
 
+    def linear_i8(self, x: torch.Tensor, w: RowQuantWeight) -> torch.Tensor:
+        """x [rows, in] @ W.T with x quantized per row (engine/csrc/linear_i8.c): each row's result
+        depends on that row alone. On torch's threads. Raises MemoryError without scratch."""
+        rows = x.shape[0]
+        out = x.new_empty(rows, w.out_features)
+        status = self._lib.linear_i8(x.data_ptr(), rows, w.in_features, w.packed.data_ptr(), w.sums.data_ptr(),
+                                     w.scale.data_ptr(), w.out_features, torch.get_num_threads(),
+                                     out.data_ptr())  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"int8 linear's scratch for {rows} rows of {w.in_features}")
+        return out
+
 
 def library_path(cache_dir: Path, compiler: str) -> Path:
     """Where the library built by `compiler` for this source and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     for part in (" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))):
         h.update(part.encode())
     return cache_dir / f"decode-{h.hexdigest()[:16]}.so"
@@ -134,8 +150,8 @@ def build(cache_dir: Path, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-shared", "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+        cmd = [compiler, *FLAGS, "-shared", "-o", tmp, *map(str, SOURCES), "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

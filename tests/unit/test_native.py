@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
+from engine.linear import Projection, RowQuantWeight
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from tests.unit.test_paged_decode import dense_reference, random_tables
@@ -109,6 +110,68 @@ def test_the_models_decode_through_them_equals_its_torch_path(ops: native.Native
         for a, b in zip(c_out.logprobs, torch_out.logprobs, strict=True):
             assert a is not None and b is not None
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def per_row_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """linear_i8's arithmetic in torch: each row rounded to int8 by its own max, exact integer
+    dot products, then the two scales, in the C side's order."""
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[:, None]).to(torch.int64)  # half to even, as nearbyintf
+    dots = (q @ qweight.to(torch.int64).T).float()
+    return dots * (amax / 127.0)[:, None] * scale.float()
+
+
+def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps) -> None:
+    gen = torch.Generator().manual_seed(3)
+    n, k = 16 * 7, 96  # 7 blocks: tiles of 4 and a remainder, split unevenly over 2 threads
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    w = RowQuantWeight.from_int8(qweight, scale)
+    assert w is not None
+    x = torch.randn(13, k, generator=gen) * torch.logspace(-3, 2, 13)[:, None]  # 3 tiles of 4 rows and 1
+    x[5] = 0.0  # a zero row: scale 0, output 0
+    expected = per_row_reference(x, qweight, scale)
+    assert torch.equal(ops.linear_i8(x, w), expected)
+    # each row depends on itself alone: alone, in another batch, on one thread
+    assert all(torch.equal(ops.linear_i8(x[i : i + 1], w), expected[i : i + 1]) for i in range(13))
+    assert torch.equal(ops.linear_i8(x.flip(0)[3:], w), expected.flip(0)[3:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.linear_i8(x, w), expected)
+    finally:
+        torch.set_num_threads(threads)
+    # and it is the weight's product, to int8 rounding of the activations (relative to each row)
+    exact = x @ (qweight.float() * scale[:, None]).T
+    err = (expected - exact).abs().amax(dim=1) / exact.abs().amax(dim=1).clamp(min=1e-30)
+    assert float(err.max()) < 0.05
+
+
+def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
+    assert RowQuantWeight.from_int8(torch.zeros(24, 8, dtype=torch.int8), torch.ones(24)) is None  # out % 16
+    assert RowQuantWeight.from_int8(torch.zeros(32, 6, dtype=torch.int8), torch.ones(32)) is None  # in % 4
+    assert Projection(torch.randn(24, 8), torch.float32, int8=True).row_quantized() is None
+    assert Projection(torch.randn(32, 8), torch.float32).row_quantized() is None  # float weights: no copy
+
+
+def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(ops: native.NativeOps) -> None:
+    """The decode step's int8 matmuls quantize per row, so a verify step's extra rows leave the
+    others' logits as they are: speculation on gives the tokens and logprobs of speculation off,
+    bit for bit, in int8 too (through fbgemm's per-tensor kernel, the logprobs moved: checked
+    when this was written). Prefill steps still run fbgemm, so both runs prefill alike here."""
+    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
+    assert model.native is ops and all(p.rows is not None for p in model._projections())
+    looping = [([(7 * i + 3 * j) % 120 + 1 for j in range(5)] * 6)[: 12 + 5 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
+    off = make_engine(model, num_blocks=128).generate(looping, params)
+    spec = make_engine(model, num_blocks=128, speculative="ngram")
+    on = spec.generate(looping, params)
+    spec.check_integrity()
+    assert spec.speculator is not None and 0 < spec.speculator.accepted < spec.speculator.drafted
+    for a, b in zip(on, off, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [(x.token_id, x.logprob) for x in a.logprobs if x] == [(x.token_id, x.logprob) for x in b.logprobs if x]
 
 
 def test_the_build_is_cached(tmp_path: Path) -> None:
