@@ -1,11 +1,13 @@
 /* The small ops of a decode step, fused: what costs a step most on the CPU is not the
  * arithmetic of these but the ~40 torch dispatches a layer they take (see engine/native.py).
  *
- * fp32 only, plain loops that gcc vectorizes (-O3 -march=native); attention runs on OpenMP
- * threads, the rest on the caller's (decode rows are few). Built with -ffp-contract=off, so
- * a*b + c rounds twice as torch's separate ops do: RoPE is bit-identical to torch's; RMSNorm,
- * SiLU and attention differ in the last bits (their sums and exp run in another order and
- * another polynomial).
+ * fp32 only, plain loops that gcc vectorizes (-O3 -march=native), and attention's two inner
+ * products in AVX-512 where the CPU has it (a head's score, and the value sums of the q heads
+ * that share a kv head); attention runs on OpenMP threads, the rest on the caller's (decode
+ * rows are few). Built with -ffp-contract=off, so a*b + c rounds twice as torch's separate ops
+ * do: RoPE is bit-identical to torch's; RMSNorm, SiLU and attention differ in the last bits
+ * (their sums and exp run in another order and another polynomial, attention's with fused
+ * multiply-adds).
  *
  * Layouts (all row-major, contiguous unless a stride is given):
  *   qkv      [rows, qkv_stride]: q heads, then k heads, then v heads, each head_dim wide
@@ -16,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -51,6 +56,19 @@ static inline float dot(const float *a, const float *b, int n) {
     float s = acc[0];
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* dot() of a head: one vector accumulator and one horizontal sum where the head is whole AVX-512
+ * vectors (a key's score was mostly dot()'s 16-lane reduction tree: 4x slower). */
+static inline float head_dot(const float *a, const float *b, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    return dot(a, b, (int)n);
 }
 
 static inline float sum(const float *a, int64_t n) {
@@ -117,6 +135,29 @@ void rope_write(float *qkv, int64_t rows, int64_t qkv_stride, int64_t heads, int
  * does) so that one row still keeps every thread busy; merged after. */
 #define SEGMENT 256
 
+#ifdef __AVX512F__
+/* o[t] = sum_j p[t][j] v_j over 64 dims, for `nh` (1-4, a constant where called) query heads that
+ * share one kv head: each value vector is loaded once for all of them, and the sums stay in
+ * registers. p: scores rows SEGMENT apart; v_j at v + off[j]; o rows head_dim apart. */
+static inline __attribute__((always_inline)) void pv_tile(const float *p, const float *v, const int64_t *off,
+                                                          int64_t n, int nh, float *o, int64_t head_dim) {
+    __m512 acc[4][4];
+    for (int t = 0; t < 4; t++)
+        for (int c = 0; c < 4; c++) acc[t][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const float *vj = v + off[j];
+        __m512 vv[4];
+        for (int c = 0; c < 4; c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int t = 0; t < nh; t++) {
+            __m512 pt = _mm512_set1_ps(p[t * SEGMENT + j]);
+            for (int c = 0; c < 4; c++) acc[t][c] = _mm512_fmadd_ps(pt, vv[c], acc[t][c]);
+        }
+    }
+    for (int t = 0; t < nh; t++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + t * head_dim + 16 * c, acc[t][c]);
+}
+#endif
+
 /* Scores, softmax numerator and its running sums of one work item: every query head of one row,
  * over keys [j_begin, j_end), each cached token's keys (all kv heads) read once, in order. Writes
  * the item's max m[h], sum l[h] of exp(s - m) and o[h] = sum of exp(s - m) v, unnormalised.
@@ -128,7 +169,7 @@ static void attend_segment(const float *q, const float *k_cache, const float *v_
     for (int64_t j = 0, b = j_begin / block_size, i = j_begin % block_size; j < n; j++) {
         const float *k = k_cache + (table[b] * block_size + i) * kv_width;
         for (int64_t h = 0; h < heads; h++)
-            scores[h * SEGMENT + j] = dot(q + h * head_dim, k + h / group * head_dim, (int)head_dim) * scale;
+            scores[h * SEGMENT + j] = head_dot(q + h * head_dim, k + h / group * head_dim, head_dim) * scale;
         if (++i == block_size) b++, i = 0;
     }
     for (int64_t h = 0; h < heads; h++) {
@@ -138,6 +179,29 @@ static void attend_segment(const float *q, const float *k_cache, const float *v_
         m[h] = mx;
         l[h] = sum(s, n);
     }
+#ifdef __AVX512F__
+    if (head_dim % 64 == 0) {
+        int64_t off[SEGMENT]; /* each key's slot, times the slot's width */
+        for (int64_t j = 0, b = j_begin / block_size, i = j_begin % block_size; j < n; j++) {
+            off[j] = (table[b] * block_size + i) * kv_width;
+            if (++i == block_size) b++, i = 0;
+        }
+        for (int64_t g = 0; g < kv_heads; g++)
+            for (int64_t c = 0; c < head_dim; c += 64)
+                for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+                    int nh = (g + 1) * group - h < 4 ? (int)((g + 1) * group - h) : 4;
+                    const float *vg = v_cache + g * head_dim + c, *sh = scores + h * SEGMENT;
+                    float *oh = o + h * head_dim + c;
+                    switch (nh) {
+                    case 1: pv_tile(sh, vg, off, n, 1, oh, head_dim); break;
+                    case 2: pv_tile(sh, vg, off, n, 2, oh, head_dim); break;
+                    case 3: pv_tile(sh, vg, off, n, 3, oh, head_dim); break;
+                    default: pv_tile(sh, vg, off, n, 4, oh, head_dim); break;
+                    }
+                }
+        return;
+    }
+#endif
     memset(o, 0, heads * head_dim * sizeof(float));
     for (int64_t j = 0, b = j_begin / block_size, i = j_begin % block_size; j < n; j++) {
         const float *v = v_cache + (table[b] * block_size + i) * kv_width;

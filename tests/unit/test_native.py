@@ -79,11 +79,15 @@ def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeO
 
 
 @pytest.mark.parametrize("lens", [[1], [5, 16, 17], [300, 7, 129, 64], [1000, 1], [1537, 512, 513]])
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
-def test_decode_attention_reads_the_paged_cache(ops: native.NativeOps, lens: list[int], heads: tuple[int, int]) -> None:
+# heads, kv heads, head dim: SmolLM2's GQA; one q head a kv head; groups of 6 (tiles of 4 and 2)
+# over two 64-wide chunks; a head narrower than the AVX-512 value tiles (the plain loops)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 64), (12, 2, 128), (4, 2, 16)])
+def test_decode_attention_reads_the_paged_cache(
+    ops: native.NativeOps, lens: list[int], shape: tuple[int, int, int]
+) -> None:
     gen = torch.Generator().manual_seed(len(lens) * 1000 + sum(lens))
-    bs, d, num_blocks = 16, 64, 128
-    nh, nkv = heads
+    bs, num_blocks = 16, 128
+    nh, nkv, d = shape
     k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
     v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
     qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)  # q read in place: a strided row
