@@ -130,27 +130,28 @@ class NativeOps:
         return out
 
 
-def library_path(cache_dir: Path, compiler: str) -> Path:
-    """Where the library built by `compiler` for this source and CPU lives."""
+def library_path(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the library built by `compiler` with `flags` for this source and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
     for source in SOURCES:
         h.update(source.read_bytes())
-    for part in (" ".join(FLAGS), version, " ".join(sorted(cpu_flags()))):
+    for part in (" ".join(flags), version, " ".join(sorted(cpu_flags()))):
         h.update(part.encode())
     return cache_dir / f"decode-{h.hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path, compiler: str) -> Path:
-    """The library, compiled unless already there. Raises OSError or CalledProcessError."""
-    path = library_path(cache_dir, compiler)
+def build(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library, compiled unless already there. Raises OSError or CalledProcessError. (Other
+    flags than FLAGS: tests, e.g. the plain loops of a CPU without AVX-512.)"""
+    path = library_path(cache_dir, compiler, flags)
     if path.exists():
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, "-shared", "-o", tmp, *map(str, SOURCES), "-lm"]
+        cmd = [compiler, *flags, "-shared", "-o", tmp, *map(str, SOURCES), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, path)
     finally:

@@ -3,6 +3,7 @@ through them against its torch path, and the build: cached, and cleanly off or m
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -150,6 +151,30 @@ def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps) -
     exact = x @ (qweight.float() * scale[:, None]).T
     err = (expected - exact).abs().amax(dim=1) / exact.abs().amax(dim=1).clamp(min=1e-30)
     assert float(err.max()) < 0.05
+
+
+def test_without_avx512_the_plain_loops_give_the_same_results(tmp_path: Path) -> None:
+    """The C code as a CPU without AVX-512 (or VNNI) runs it: the int8 product the same bits,
+    attention the same to rounding."""
+    if not HAS_CC:
+        pytest.skip("no C compiler")
+    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f"))
+    plain = native.NativeOps(ctypes.CDLL(str(path)))
+    gen = torch.Generator().manual_seed(4)
+    qweight = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=gen)
+    scale = torch.rand(48, generator=gen) * 0.01 + 1e-4
+    w = RowQuantWeight.from_int8(qweight, scale)
+    assert w is not None
+    x = torch.randn(6, 64, generator=gen)
+    assert torch.equal(plain.linear_i8(x, w), per_row_reference(x, qweight, scale))
+    k_cache, v_cache = torch.randn(64 * 16, 3, 64, generator=gen), torch.randn(64 * 16, 3, 64, generator=gen)
+    lens = [300, 17]
+    tables = torch.tensor(random_tables(gen, lens, 64, 16))
+    qkv = torch.randn(2, 15 * 64, generator=gen)
+    got = plain.decode_attention(qkv, 9, k_cache, v_cache, tables, torch.tensor(lens), 16)
+    q = qkv[:, : 9 * 64].reshape(2, 9, 64)
+    expected = dense_reference(q, k_cache, v_cache, tables.tolist(), lens, 16)
+    torch.testing.assert_close(got.view(2, 9, 64).double(), expected, atol=2e-5, rtol=1e-4)
 
 
 def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
