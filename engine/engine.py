@@ -65,7 +65,8 @@ class Engine:
             self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=config.num_blocks)
         self.speculator: Speculator | None = None  # prefill workers never decode: no drafts
         if config.speculative and config.role != "prefill":
-            self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len, config.speculative)
+            self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len,
+                                         config.speculative, fused=model.native is not None)  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()

@@ -39,5 +39,6 @@ def switch_role(engine: Engine, config: EngineConfig) -> None:
     engine.speculator = None
     if config.speculative and config.role != "prefill":
         engine.speculator = Speculator(
-            engine.kv, config.num_speculative_tokens, engine.max_model_len, config.speculative
-        )
+            engine.kv, config.num_speculative_tokens, engine.max_model_len, config.speculative,
+            fused=engine.model.native is not None,
+        )  # fmt: skip

@@ -41,22 +41,28 @@ PRIOR_RATE = 0.7  # a request's acceptance before its first verified draft
 RATE_WEIGHT = 0.3  # of the latest draft in a request's moving acceptance
 
 
-def row_cost(rows: int, base: float = 0.2, per_row: float = 0.045) -> float:
+# a 1-row step's marginal row cost, by the step that verifies (README, "Speculative decoding")
+TORCH_STEP_BASE = 0.2  # the torch ops: about 0.22 at 1 row, 0.34 at 2, 0.43 at 5-9, 0.92 at 9-17
+FUSED_STEP_BASE = 0.11  # the fused decode step (engine/native.py): 0.06-0.08 at 1 row, 0.19-0.23
+# at 2, 0.32-0.36 at 3-9, 0.60-0.74 at 9-17 (the slope stays)
+
+
+def row_cost(rows: int, base: float = TORCH_STEP_BASE, per_row: float = 0.045) -> float:
     """The marginal cost of one more row in a step of `rows` rows, in tokens: what a row's
-    acceptance must beat to pay. Measured here (README, "Speculative decoding"): about 0.22 at
-    1 row, 0.34 at 2, 0.43 at 5-9 and 0.92 from 9 to 17; capped at 0.95 so that a full step
-    still verifies sure drafts."""
+    acceptance must beat to pay, a line through the measured curve of the step that runs it
+    (`base`: TORCH_STEP_BASE or FUSED_STEP_BASE); capped at 0.95 so that a full step still
+    verifies sure drafts."""
     return min(0.95, base + per_row * max(0, rows - 1))
 
 
-def verify_len(draft: Draft, rows: int) -> int:
+def verify_len(draft: Draft, rows: int, base: float = TORCH_STEP_BASE) -> int:
     """How many leading draft tokens to verify in a step that already has `rows` rows: draft
     token i (its row the step's rows + i) is verified while the cumulative confidence of
     tokens 0..i is at least `row_cost` of the rows before it."""
     p = 1.0
     for i, c in enumerate(draft.confidence):
         p *= c
-        if p < row_cost(rows + i):
+        if p < row_cost(rows + i, base):
             return i
     return len(draft.token_ids)
 
@@ -78,8 +84,12 @@ class Speculator:
     verified chunk's samples into one output. `drafts`: drafts verified so far; `drafted` /
     `accepted`: their tokens, and those accepted; `per_position[i]`: accepted at position i."""
 
-    def __init__(self, kv: KVCacheManager, max_draft: int, max_model_len: int, kind: str = "ngram") -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_draft: int, max_model_len: int, kind: str = "ngram", fused: bool = False
+    ) -> None:
+        """fused: the engine's decode steps run fused (engine/native.py), whose rows cost less."""
         self.kv = kv
+        self.base_cost = FUSED_STEP_BASE if fused else TORCH_STEP_BASE
         self.max_draft = max_draft
         self.max_model_len = max_model_len
         self.tree = OutputTree(max_draft=max_draft) if kind == "suffix" else None
@@ -108,12 +118,12 @@ class Speculator:
             # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             rate = self._rate.get(req.request_id, PRIOR_RATE)  # a token's confidence: match x history
-            if rate < row_cost(rows):  # not even a sure match would be verified: do not look
+            if rate < row_cost(rows, self.base_cost):  # not even a sure match would be verified: do not look
                 req.draft = ()
                 continue
             draft = d.propose()
             draft = Draft(draft.token_ids, tuple(c * rate for c in draft.confidence))
-            req.draft = draft.token_ids[: max(0, min(room, verify_len(draft, rows)))]
+            req.draft = draft.token_ids[: max(0, min(room, verify_len(draft, rows, self.base_cost)))]
             rows += len(req.draft)
 
     def _forget(self, request_id: str) -> None:

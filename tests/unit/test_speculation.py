@@ -18,7 +18,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.speculation import Speculator, accepted, row_cost, verify_len
+from engine.speculation import FUSED_STEP_BASE, TORCH_STEP_BASE, Speculator, accepted, row_cost, verify_len
 from tests.unit.kv_harness import make_pair
 from tests.unit.tiny import make_engine
 
@@ -181,6 +181,16 @@ def test_verify_len_keeps_the_confident_prefix_and_less_under_load() -> None:
     assert verify_len(draft, rows=40) == 0  # capped at 0.95
     assert verify_len(Draft((), ()), rows=1) == 0
     assert row_cost(1) == pytest.approx(0.2) and row_cost(17) == pytest.approx(0.92) and row_cost(100) == 0.95
+    # the fused decode step's first rows cost less (0.11 + 0.045 * (rows - 1)): all 4 at 1 row
+    assert verify_len(draft, rows=1, base=FUSED_STEP_BASE) == 4  # 0.11, 0.155, 0.2, 0.245 pass
+    assert verify_len(draft, rows=3, base=FUSED_STEP_BASE) == 3  # 0.2, 0.245, 0.29 pass; 0.324 < 0.335
+    assert verify_len(draft, rows=16, base=FUSED_STEP_BASE) == 1  # 0.785 passes; 0.72 < 0.83
+
+
+def test_the_engine_prices_rows_by_the_step_it_runs(tiny_model: LlamaModel) -> None:
+    fused = make_engine(tiny_model, num_blocks=16, speculative="ngram").speculator
+    assert fused is not None and fused.base_cost == (FUSED_STEP_BASE if tiny_model.native else TORCH_STEP_BASE)
+    assert Speculator(KVCacheManager(16, 4), max_draft=4, max_model_len=64).base_cost == TORCH_STEP_BASE
 
 
 @pytest.mark.parametrize(("running", "granted"), [(4, [2, 2, 1, 1]), (8, [1, 1, 1, 1, 1, 0, 0, 0])])
