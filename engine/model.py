@@ -218,15 +218,14 @@ class LlamaModel:
 
     def _fits_native(self, positions: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """Whether this step is one the C ops take as it is: decode rows only, an fp32 cache stored
-        as is, int64 indices laid out as the runner builds them, every position in the RoPE table
+        as is or an int8 one, int64 indices laid out as the runner builds them, every position in the RoPE table
         (the C side checks no bounds; anything else runs the torch ops, which do)."""
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return (
             not meta.prefills
             and tables is not None
             and lens is not None
-            and cache.codec.passthrough
-            and cache.dtype == self.dtype
+            and ((cache.codec.passthrough and cache.dtype == self.dtype) or cache.codec.kind == "int8")
             and meta.decode_max_len <= self.config.max_position
             and all(x.dtype == torch.int64 for x in (positions, meta.slot_mapping, tables, lens))
             and tables.is_contiguous()

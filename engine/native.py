@@ -30,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_codec import SCALE_BYTES
 from engine.linear import RowQuantWeight, cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("decode.c", "linear_i8.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c"))
+HEADERS = (CSRC / "common.h",)
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
@@ -44,8 +47,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "silu_mul": (_P, _P, _I, _I),
-    "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P),
-    "decode_attention": (_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
+    "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I),
+    "decode_attention": (_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
 }
 _STATUS = ("decode_attention", "linear_i8")  # these return 0, or -1 without scratch
@@ -88,11 +91,12 @@ class NativeOps:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> None:
-        """RoPE on qkv's q and k heads, in place, then its k and v heads into the caches at slots."""
+        """RoPE on qkv's q and k heads, in place, then its k and v heads into the caches at slots: an
+        fp32 cache as they are, an int8 one (engine/kv_codec.py's rows) coded as its codec would."""
         head_dim = cos.shape[-1]
         self._lib.rope_write(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim,
                              positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
-                             k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
+                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.int8)  # fmt: skip
 
     def decode_attention(
         self,
@@ -104,13 +108,15 @@ class NativeOps:
         lens: torch.Tensor,
         block_size: int,
     ) -> torch.Tensor:
-        """Each row's attention over its own context, read from the cache in place, its q heads read
-        from qkv: [rows, heads * D], on torch's threads. Raises MemoryError without scratch."""
-        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        """Each row's attention over its own context, read from the cache (fp32, or int8 rows) in
+        place, its q heads read from qkv: [rows, heads * D], on torch's threads. Raises MemoryError
+        without scratch."""
+        coded = k_cache.dtype == torch.int8
+        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2] - (SCALE_BYTES if coded else 0)
         rows = qkv.shape[0]
         out = qkv.new_empty(rows, heads * head_dim)
         status = self._lib.decode_attention(qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                            tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, heads,
+                                            coded, tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, heads,
                                             kv_heads, head_dim, block_size, head_dim**-0.5, torch.get_num_threads(),
                                             out.data_ptr())  # fmt: skip
         if status != 0:
@@ -134,7 +140,7 @@ def library_path(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS)
     """Where the library built by `compiler` with `flags` for this source and CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     for part in (" ".join(flags), version, " ".join(sorted(cpu_flags()))):
         h.update(part.encode())

@@ -1,0 +1,258 @@
+/* Decode attention: each decode row's query heads over its own context, read from the paged
+ * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, and int8
+ * ones (engine/kv_codec.py: per token and kv head, head_dim codes then the fp32 scale), whose
+ * codes are scaled as they are read: a quarter of the bytes, which is what bounds long contexts.
+ */
+#include "common.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* dot() of a head: one vector accumulator and one horizontal sum where the head is whole AVX-512
+ * vectors (a key's score was mostly dot()'s 16-lane reduction tree: 4x slower). */
+static inline float head_dot(const float *a, const float *b, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    return dot(a, b, (int)n);
+}
+
+/* Keys of one row that one work item takes: long contexts split into segments (as flash-decoding
+ * does) so that one row still keeps every thread busy; merged after. */
+#define SEGMENT 256
+#define MAX_HEAD_DIM 512 /* engine/native.py's too */
+
+#ifdef __AVX512F__
+/* o[t] = sum_j p[t][j] v_j over 64 dims, for `nh` (1-4) query heads that share one kv head:
+ * each value vector is loaded once for all of them, and the sums stay in registers. p: scores
+ * rows SEGMENT apart; v_j at v + off[j], fp32, or int8 codes times vscale[j] where `coded`;
+ * o rows head_dim apart. nh and coded are constants where called. */
+static inline __attribute__((always_inline)) void pv_tile(const float *p, const void *v, const int64_t *off,
+                                                          const float *vscale, int coded, int64_t n, int nh,
+                                                          float *o, int64_t head_dim) {
+    __m512 acc[4][4];
+    for (int t = 0; t < 4; t++)
+        for (int c = 0; c < 4; c++) acc[t][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        __m512 vv[4];
+        for (int c = 0; c < 4; c++)
+            vv[c] = coded ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128((const __m128i *)((const int8_t *)v + off[j] + 16 * c))))
+                          : _mm512_loadu_ps((const float *)v + off[j] + 16 * c);
+        for (int t = 0; t < nh; t++) {
+            __m512 pt = _mm512_set1_ps(coded ? p[t * SEGMENT + j] * vscale[j] : p[t * SEGMENT + j]);
+            for (int c = 0; c < 4; c++) acc[t][c] = _mm512_fmadd_ps(pt, vv[c], acc[t][c]);
+        }
+    }
+    for (int t = 0; t < nh; t++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + t * head_dim + 16 * c, acc[t][c]);
+}
+#endif
+
+#ifdef __AVX512F__
+/* The 16 sums of 16 vectors, in order, in one vector: pairs, then quads within each 128-bit lane,
+ * then across lanes (15 shuffles and adds where 16 horizontal sums take ~64). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 u[8], x[4];
+    for (int i = 0; i < 8; i++)
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+/* q . k_j for 16 keys of one kv head (key j at k + off[j]: fp32, or int8 codes where `coded`,
+ * unscaled), head_dim a multiple of 16. */
+static inline __attribute__((always_inline)) __m512 dots16(const float *q, const void *k, const int64_t *off,
+                                                           int coded, int64_t head_dim) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 qd = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 16; j++) {
+            __m512 kd = coded ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128((const __m128i *)((const int8_t *)k + off[j] + d))))
+                              : _mm512_loadu_ps((const float *)k + off[j] + d);
+            acc[j] = _mm512_fmadd_ps(qd, kd, acc[j]);
+        }
+    }
+    return sum16(acc);
+}
+#endif
+
+/* One kv head of one cached token as floats: in place for fp32, decoded into buf for int8 (the
+ * codes; *scale their scale, 1 for fp32). */
+static inline const float *kv_head(const void *cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim,
+                                   int coded, float *buf, float *scale) {
+    if (!coded) {
+        *scale = 1.0f;
+        return (const float *)cache + (slot * kv_heads + g) * head_dim;
+    }
+    const int8_t *row = (const int8_t *)cache + (slot * kv_heads + g) * (head_dim + 4);
+    for (int64_t d = 0; d < head_dim; d++) buf[d] = (float)row[d];
+    memcpy(scale, row + head_dim, 4);
+    return buf;
+}
+
+/* Scores, softmax numerator and its running sums of one work item: every query head of one row,
+ * over keys [j_begin, j_end), each cached token's keys (all kv heads) read once, in order. Writes
+ * the item's max m[h], sum l[h] of exp(s - m) and o[h] = sum of exp(s - m) v, unnormalised.
+ * scores: scratch of heads * SEGMENT; caches fp32, or int8 rows where `coded`. */
+static void attend_segment(const float *q, const void *k_cache, const void *v_cache, int coded, const int64_t *table,
+                           int64_t j_begin, int64_t j_end, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, float *scores, float *m, float *l, float *o) {
+    int64_t n = j_end - j_begin, group = heads / kv_heads;
+    int64_t slot[SEGMENT];
+    float buf[MAX_HEAD_DIM], ks, vscale[SEGMENT];
+    for (int64_t j = 0, b = j_begin / block_size, i = j_begin % block_size; j < n; j++) {
+        slot[j] = table[b] * block_size + i;
+        if (++i == block_size) b++, i = 0;
+    }
+#ifdef __AVX512F__
+    if (head_dim % 16 == 0) { /* 16 keys at a time, their sums reduced together */
+        int64_t row = coded ? head_dim + 4 : head_dim, off[SEGMENT + 16];
+        float kscale[SEGMENT + 16];
+        for (int64_t j = 0; j < n + 16; j++) off[j] = slot[j < n ? j : 0] * kv_heads * row; /* pad: key 0 */
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const char *kg = (const char *)k_cache + g * row * (coded ? 1 : 4);
+            for (int64_t j = 0; j < n + 16; j++) {
+                kscale[j] = scale;
+                if (coded) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
+            }
+            for (int64_t h = g * group; h < (g + 1) * group; h++)
+                for (int64_t j = 0; j < n; j += 16) {
+                    __m512 d = coded ? dots16(q + h * head_dim, kg, off + j, 1, head_dim)
+                                     : dots16(q + h * head_dim, kg, off + j, 0, head_dim);
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, _mm512_mul_ps(d, _mm512_loadu_ps(kscale + j)));
+                    memcpy(scores + h * SEGMENT + j, tmp, (n - j < 16 ? n - j : 16) * sizeof(float));
+                }
+        }
+    } else
+#endif
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const float *k = kv_head(k_cache, slot[j], g, kv_heads, head_dim, coded, buf, &ks);
+                for (int64_t h = g * group; h < (g + 1) * group; h++)
+                    scores[h * SEGMENT + j] = head_dot(q + h * head_dim, k, head_dim) * ks * scale;
+            }
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * SEGMENT, mx = s[0];
+        for (int64_t j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int64_t j = 0; j < n; j++) s[j] = exp_approx(s[j] - mx);
+        m[h] = mx;
+        l[h] = sum(s, n);
+    }
+#ifdef __AVX512F__
+    if (head_dim % 64 == 0) {
+        int64_t off[SEGMENT]; /* each key's slot, in floats (fp32) or bytes (int8) */
+        int64_t row = coded ? head_dim + 4 : head_dim;
+        for (int64_t j = 0; j < n; j++) off[j] = slot[j] * kv_heads * row;
+        for (int64_t g = 0; g < kv_heads; g++)
+            for (int64_t c = 0; c < head_dim; c += 64)
+                for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+                    int nh = (g + 1) * group - h < 4 ? (int)((g + 1) * group - h) : 4;
+                    const float *sh = scores + h * SEGMENT;
+                    float *oh = o + h * head_dim + c;
+                    if (coded) {
+                        const int8_t *vg = (const int8_t *)v_cache + g * row + c;
+                        for (int64_t j = 0; j < n; j++) memcpy(vscale + j, vg - c + off[j] + head_dim, 4);
+                        switch (nh) {
+                        case 1: pv_tile(sh, vg, off, vscale, 1, n, 1, oh, head_dim); break;
+                        case 2: pv_tile(sh, vg, off, vscale, 1, n, 2, oh, head_dim); break;
+                        case 3: pv_tile(sh, vg, off, vscale, 1, n, 3, oh, head_dim); break;
+                        default: pv_tile(sh, vg, off, vscale, 1, n, 4, oh, head_dim); break;
+                        }
+                    } else {
+                        const float *vg = (const float *)v_cache + g * row + c;
+                        switch (nh) {
+                        case 1: pv_tile(sh, vg, off, NULL, 0, n, 1, oh, head_dim); break;
+                        case 2: pv_tile(sh, vg, off, NULL, 0, n, 2, oh, head_dim); break;
+                        case 3: pv_tile(sh, vg, off, NULL, 0, n, 3, oh, head_dim); break;
+                        default: pv_tile(sh, vg, off, NULL, 0, n, 4, oh, head_dim); break;
+                        }
+                    }
+                }
+        return;
+    }
+#endif
+    memset(o, 0, heads * head_dim * sizeof(float));
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            float vs;
+            const float *v = kv_head(v_cache, slot[j], g, kv_heads, head_dim, coded, buf, &vs);
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                const float p = scores[h * SEGMENT + j] * vs;
+                float *oh = o + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) oh[d] += p * v[d];
+            }
+        }
+}
+
+/* Each decode row's attention over its own context, straight from the paged cache, each query
+ * head with the kv head its group shares (GQA). Work items (row, segment of SEGMENT keys) run on
+ * `threads` OpenMP threads (the caller's team: torch's), then each row's segments are merged by
+ * their maxima. q [rows, q_stride], its heads first; out [rows, heads * head_dim]. Returns 0, or
+ * -1 with out untouched when its scratch cannot be allocated. */
+int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t kv_int8,
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t threads,
+                     float *out) {
+    int64_t max_segs = 1;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t segs = (lens[r] + SEGMENT - 1) / SEGMENT;
+        max_segs = segs > max_segs ? segs : max_segs;
+    }
+    int64_t items = rows * max_segs, per_item = heads * (2 + head_dim), team = threads > 0 ? threads : 1;
+    float *partial = malloc(items * per_item * sizeof(float)); /* m[heads], l[heads], o[heads][D] */
+    float *scratch = malloc(team * heads * SEGMENT * sizeof(float)); /* each thread's scores */
+    if (!partial || !scratch) {
+        free(partial);
+        free(scratch);
+        return -1;
+    }
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+#ifdef _OPENMP
+        float *scores = scratch + omp_get_thread_num() * heads * SEGMENT;
+#else
+        float *scores = scratch;
+#endif
+        int64_t r = it / max_segs, begin = it % max_segs * SEGMENT;
+        int64_t end = begin + SEGMENT < lens[r] ? begin + SEGMENT : lens[r];
+        float *m = partial + it * per_item, *l = m + heads, *o = l + heads;
+        if (begin < end)
+            attend_segment(q + r * q_stride, k_cache, v_cache, (int)kv_int8, tables + r * table_stride, begin, end, heads,
+                           kv_heads, head_dim, block_size, scale, scores, m, l, o);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t segs = (lens[r] + SEGMENT - 1) / SEGMENT;
+        const float *first = partial + r * max_segs * per_item;
+        for (int64_t h = 0; h < heads; h++) {
+            float mx = first[h], total = 0.0f, *oh = out + (r * heads + h) * head_dim;
+            for (int64_t sg = 1; sg < segs; sg++) mx = first[sg * per_item + h] > mx ? first[sg * per_item + h] : mx;
+            memset(oh, 0, head_dim * sizeof(float));
+            for (int64_t sg = 0; sg < segs; sg++) {
+                const float *p = first + sg * per_item, *os = p + 2 * heads + h * head_dim;
+                float w = exp_approx(p[h] - mx);
+                total += w * p[heads + h];
+                for (int64_t d = 0; d < head_dim; d++) oh[d] += w * os[d];
+            }
+            float inv = 1.0f / total;
+            for (int64_t d = 0; d < head_dim; d++) oh[d] *= inv;
+        }
+    }
+    free(partial);
+    free(scratch);
+    return 0;
+}
