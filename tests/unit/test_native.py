@@ -99,7 +99,8 @@ def test_decode_attention_reads_the_paged_cache(
     torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=2e-5, rtol=1e-4)
 
 
-def test_the_models_decode_through_them_equals_its_torch_path(ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])  # fp32 cache rows, or int8 codes read in place
+def test_the_models_decode_through_them_equals_its_torch_path(ops: native.NativeOps, kv_dtype: str) -> None:
     model = LlamaModel(TINY, tiny_weights(), torch.float32)
     assert model.native is ops
     prompts = [[5, 9, 11], list(range(1, 40)), [7] * 17, [100, 2]]
@@ -107,7 +108,7 @@ def test_the_models_decode_through_them_equals_its_torch_path(ops: native.Native
     results = []
     for fused in (ops, None):
         model.native = fused
-        engine = make_engine(model, num_blocks=128)
+        engine = make_engine(model, num_blocks=128, kv_dtype=kv_dtype)
         results.append(engine.generate(prompts, params) + engine.generate(prompts[1:2], params))
         engine.check_integrity()
     for c_out, torch_out in zip(*results, strict=True):

@@ -1,6 +1,7 @@
 """The fused decode step over an int8 KV cache (engine/csrc/attention.c, rope_write's coding):
-the codes it writes are engine/kv_codec.py's, bit for bit; its attention over them is the
-attention over their decoded values; and the model decodes through it as through its torch ops."""
+the codes it writes are engine/kv_codec.py's, bit for bit, and its attention over them is the
+attention over their decoded values. (The model's decode through it against its torch ops:
+test_native.py, with kv_dtype int8.)"""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import torch
 from engine import native
 from engine.kv_codec import KVCodec
 from engine.model import LlamaModel
-from engine.sampling_params import SamplingParams
 from tests.unit.test_native import ops  # noqa: F401 (the built library, a fixture)
 from tests.unit.test_paged_decode import dense_reference, random_tables
-from tests.unit.tiny import TINY, make_engine, tiny_weights
+from tests.unit.tiny import TINY, tiny_weights
 
 CODEC = KVCodec.of("int8", torch.float32)
 
@@ -54,20 +54,3 @@ def test_attention_over_int8_codes_is_attention_over_their_values(
     q = qkv[:, : nh * d].reshape(len(lens), nh, d)
     expected = dense_reference(q, CODEC.decode(k_cache), CODEC.decode(v_cache), tables, lens, bs)
     torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=6e-5, rtol=1e-4)
-
-
-def test_the_model_decodes_over_an_int8_cache_as_its_torch_ops_do(ops: native.NativeOps) -> None:  # noqa: F811
-    model = LlamaModel(TINY, tiny_weights(), torch.float32)
-    prompts = [[5, 9, 11], list(range(1, 40)), [7] * 17]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
-    results = []
-    for fused in (ops, None):
-        model.native = fused
-        engine = make_engine(model, num_blocks=128, kv_dtype="int8")
-        results.append(engine.generate(prompts, params))
-        engine.check_integrity()
-    for c_out, torch_out in zip(*results, strict=True):
-        assert c_out.token_ids == torch_out.token_ids
-        for a, b in zip(c_out.logprobs, torch_out.logprobs, strict=True):
-            assert a is not None and b is not None
-            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
