@@ -218,8 +218,8 @@ class LlamaModel:
 
     def _fits_native(self, positions: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """Whether this step is one the C ops take as it is: decode rows only, an fp32 cache stored
-        as is or an int8 one, int64 indices laid out as the runner builds them, every position in the RoPE table
-        (the C side checks no bounds; anything else runs the torch ops, which do)."""
+        as is or an int8 one, int64 indices laid out as the runner builds them, every position in
+        the RoPE table (the C side checks no bounds; anything else runs the torch ops, which do)."""
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return (
             not meta.prefills

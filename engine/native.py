@@ -1,14 +1,17 @@
-"""The decode step's small ops and its attention as one C call each (engine/csrc/decode.c), built
-on first use.
+"""The decode step's small ops, its attention and its int8 matmuls as one C call each
+(engine/csrc/: decode.c, attention.c, linear_i8.c), built on first use.
 
 On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torch ops on a
 576-wide row at ~3 us apiece, and the KV of every decode row was gathered (copied) before SDPA
 read it. The C functions fuse RMSNorm with its residual add, RoPE with the KV-cache write, SiLU
 with its multiply, and attention reads the paged cache in place, split into segments of keys
 over torch's own OpenMP threads (the library links the libgomp torch loaded, so the engine
-loop's thread keeps one team: engine/torch_threads.py). A layer is the four int8 matmuls and
-four C calls. Measured (int8 SmolLM2, 2 cores, alternated in one process): a decode step of 1
-row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K context 57.8 -> 31.6 ms.
+loop's thread keeps one team: engine/torch_threads.py); an int8 cache is read as its codes.
+A layer is four matmuls and four C calls. Measured (int8 SmolLM2, 2 cores, alternated in one
+process): a decode step of 1 row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K
+context 57.8 -> 31.6 ms. With int8 weights the matmuls are linear_i8's: activations quantized
+per row (a row's result does not depend on its batch), 2-4x fbgemm's speed at 1-9 rows; the
+model keeps a second copy of the int8 weights in its layout (RowQuantWeight).
 
 The library is compiled with the system's C compiler (`cc`, or `$CC`) for this CPU
 (-march=native) into `$XDG_CACHE_HOME/tandem/native/<hash>.so` (default ~/.cache), keyed by the

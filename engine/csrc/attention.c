@@ -11,19 +11,6 @@
 #include <omp.h>
 #endif
 
-/* dot() of a head: one vector accumulator and one horizontal sum where the head is whole AVX-512
- * vectors (a key's score was mostly dot()'s 16-lane reduction tree: 4x slower). */
-static inline float head_dot(const float *a, const float *b, int64_t n) {
-#ifdef __AVX512F__
-    if (n % 16 == 0) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-        for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-        return _mm512_reduce_add_ps(acc);
-    }
-#endif
-    return dot(a, b, (int)n);
-}
-
 /* Keys of one row that one work item takes: long contexts split into segments (as flash-decoding
  * does) so that one row still keeps every thread busy; merged after. */
 #define SEGMENT 256
@@ -144,7 +131,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
             for (int64_t g = 0; g < kv_heads; g++) {
                 const float *k = kv_head(k_cache, slot[j], g, kv_heads, head_dim, coded, buf, &ks);
                 for (int64_t h = g * group; h < (g + 1) * group; h++)
-                    scores[h * SEGMENT + j] = head_dot(q + h * head_dim, k, head_dim) * ks * scale;
+                    scores[h * SEGMENT + j] = dot(q + h * head_dim, k, (int)head_dim) * ks * scale;
             }
     for (int64_t h = 0; h < heads; h++) {
         float *s = scores + h * SEGMENT, mx = s[0];
@@ -232,8 +219,8 @@ int decode_attention(const float *q, int64_t q_stride, const void *k_cache, cons
         int64_t end = begin + SEGMENT < lens[r] ? begin + SEGMENT : lens[r];
         float *m = partial + it * per_item, *l = m + heads, *o = l + heads;
         if (begin < end)
-            attend_segment(q + r * q_stride, k_cache, v_cache, (int)kv_int8, tables + r * table_stride, begin, end, heads,
-                           kv_heads, head_dim, block_size, scale, scores, m, l, o);
+            attend_segment(q + r * q_stride, k_cache, v_cache, (int)kv_int8, tables + r * table_stride, begin, end,
+                           heads, kv_heads, head_dim, block_size, scale, scores, m, l, o);
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t segs = (lens[r] + SEGMENT - 1) / SEGMENT;
