@@ -68,24 +68,19 @@ class Projection:
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         self.int8 = "qweight" in state
-        self.rows: RowQuantWeight | None = None  # the per-row kernel's copy, once row_quantized() made it
+        # int8: also the per-row kernel's copy, which the fused decode step reads (engine/native.py;
+        # made here from the values at hand: unpacking fbgemm's copy later cost ~0.5 s a load)
+        self.rows: RowQuantWeight | None = None
         if self.int8:
             qw, scale = state["qweight"], state["scale"]
             self.out_features, self.in_features = qw.shape
             zero = torch.zeros(qw.shape[0], dtype=torch.long)
             q = torch._make_per_channel_quantized_tensor(qw, scale, zero, 0)
             self._packed = torch.ops.quantized.linear_prepack(q, None)
+            self.rows = RowQuantWeight.from_int8(qw, scale)
         else:
             self._wt = state["wt"]
             self.in_features, self.out_features = self._wt.shape
-
-    def row_quantized(self) -> RowQuantWeight | None:
-        """The weight also laid out for the per-row kernel (kept in `rows`: a second copy of the
-        int8 bytes), or None for a float weight or a shape it does not tile."""
-        if self.int8 and self.rows is None:
-            q = torch.ops.quantized.linear_unpack(self._packed)[0]
-            self.rows = RowQuantWeight.from_int8(q.int_repr(), q.q_per_channel_scales())
-        return self.rows
 
     def to(self, device: torch.device) -> None:
         """Move the weight to `device`. Raises ValueError for int8 (fbgemm runs on the CPU only)."""

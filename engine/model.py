@@ -123,9 +123,6 @@ class LlamaModel:
         emb = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
         # the decode step's fused C ops (engine/native.py): fp32 on the CPU only
         self.native = ops() if dtype == torch.float32 and d <= MAX_HEAD_DIM else None
-        if self.native is not None:
-            for proj in self._projections():
-                proj.row_quantized()  # int8: the decode step's per-row kernel reads its own copy
         self.cos = emb.cos().to(dtype)
         # sin with rotate_half's sign folded in: -sin on the first half, +sin on the second
         self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)

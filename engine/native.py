@@ -11,7 +11,7 @@ A layer is four matmuls and four C calls. Measured (int8 SmolLM2, 2 cores, alter
 process): a decode step of 1 row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K
 context 57.8 -> 31.6 ms. With int8 weights the matmuls are linear_i8's: activations quantized
 per row (a row's result does not depend on its batch), 2-4x fbgemm's speed at 1-9 rows; the
-model keeps a second copy of the int8 weights in its layout (RowQuantWeight).
+projections keep a second copy of their int8 weights in its layout (RowQuantWeight).
 
 The library is compiled with the system's C compiler (`cc`, or `$CC`) for this CPU
 (-march=native) into `$XDG_CACHE_HOME/tandem/native/<hash>.so` (default ~/.cache), keyed by the

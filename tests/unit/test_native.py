@@ -181,8 +181,8 @@ def test_without_avx512_the_plain_loops_give_the_same_results(tmp_path: Path) ->
 def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
     assert RowQuantWeight.from_int8(torch.zeros(24, 8, dtype=torch.int8), torch.ones(24)) is None  # out % 16
     assert RowQuantWeight.from_int8(torch.zeros(32, 6, dtype=torch.int8), torch.ones(32)) is None  # in % 4
-    assert Projection(torch.randn(24, 8), torch.float32, int8=True).row_quantized() is None
-    assert Projection(torch.randn(32, 8), torch.float32).row_quantized() is None  # float weights: no copy
+    assert Projection(torch.randn(24, 8), torch.float32, int8=True).rows is None
+    assert Projection(torch.randn(32, 8), torch.float32).rows is None  # float weights: no copy
 
 
 def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(ops: native.NativeOps) -> None:
