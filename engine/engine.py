@@ -35,7 +35,7 @@ from engine.runner import ModelRunner
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculation import Speculator
+from engine.speculation import speculator_for
 from engine.tokenizer import Tokenizer
 from engine.weight_cache import load_model
 
@@ -63,10 +63,7 @@ class Engine:
         if graphed:
             widest = -(-self.max_model_len // config.block_size)
             self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=config.num_blocks)
-        self.speculator: Speculator | None = None  # prefill workers never decode: no drafts
-        if config.speculative and config.role != "prefill":
-            self.speculator = Speculator(self.kv, config.num_speculative_tokens, self.max_model_len,
-                                         config.speculative, fused=model.native is not None)  # fmt: skip
+        self.speculator = speculator_for(config, self.kv, self.max_model_len, fused=model.native is not None)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()

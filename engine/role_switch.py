@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.speculation import Speculator
+from engine.speculation import speculator_for
 
 # What switching in place can change; any other field differing needs another engine.
 IN_PLACE_FIELDS = frozenset(
@@ -36,9 +36,4 @@ def switch_role(engine: Engine, config: EngineConfig) -> None:
     engine.scheduler.max_num_seqs = config.max_num_seqs
     engine.scheduler.max_num_batched_tokens = config.max_num_batched_tokens
     engine.scheduler.prefill_chunk = config.prefill_chunk
-    engine.speculator = None
-    if config.speculative and config.role != "prefill":
-        engine.speculator = Speculator(
-            engine.kv, config.num_speculative_tokens, engine.max_model_len, config.speculative,
-            fused=engine.model.native is not None,
-        )  # fmt: skip
+    engine.speculator = speculator_for(config, engine.kv, engine.max_model_len, fused=engine.model.native is not None)

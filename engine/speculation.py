@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from engine.config import EngineConfig
 from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RequestOutput
@@ -176,3 +177,11 @@ class Speculator:
         return {"spec_decode_num_drafts": self.drafts, "spec_decode_num_draft_tokens": self.drafted,
                 "spec_decode_num_accepted_tokens": self.accepted,
                 "spec_decode_num_accepted_tokens_per_pos": list(self.per_position)}  # fmt: skip
+
+
+def speculator_for(config: EngineConfig, kv: KVCacheManager, max_model_len: int, fused: bool) -> Speculator | None:
+    """An engine's speculator as `config` asks for it: none when speculation is off or the engine
+    prefills only (it never decodes). fused: as Speculator."""
+    if not config.speculative or config.role == "prefill":
+        return None
+    return Speculator(kv, config.num_speculative_tokens, max_model_len, config.speculative, fused=fused)

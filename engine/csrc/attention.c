@@ -145,7 +145,10 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         int64_t off[SEGMENT]; /* each key's slot, in floats (fp32) or bytes (int8) */
         int64_t row = coded ? head_dim + 4 : head_dim;
         for (int64_t j = 0; j < n; j++) off[j] = slot[j] * kv_heads * row;
-        for (int64_t g = 0; g < kv_heads; g++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int8_t *vrow = (const int8_t *)v_cache + g * row + head_dim; /* int8: a value's scale */
+            if (coded)
+                for (int64_t j = 0; j < n; j++) memcpy(vscale + j, vrow + off[j], 4);
             for (int64_t c = 0; c < head_dim; c += 64)
                 for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
                     int nh = (g + 1) * group - h < 4 ? (int)((g + 1) * group - h) : 4;
@@ -153,7 +156,6 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                     float *oh = o + h * head_dim + c;
                     if (coded) {
                         const int8_t *vg = (const int8_t *)v_cache + g * row + c;
-                        for (int64_t j = 0; j < n; j++) memcpy(vscale + j, vg - c + off[j] + head_dim, 4);
                         switch (nh) {
                         case 1: pv_tile(sh, vg, off, vscale, 1, n, 1, oh, head_dim); break;
                         case 2: pv_tile(sh, vg, off, vscale, 1, n, 2, oh, head_dim); break;
@@ -170,6 +172,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                         }
                     }
                 }
+        }
         return;
     }
 #endif
