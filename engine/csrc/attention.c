@@ -154,23 +154,18 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                     int nh = (g + 1) * group - h < 4 ? (int)((g + 1) * group - h) : 4;
                     const float *sh = scores + h * SEGMENT;
                     float *oh = o + h * head_dim + c;
-                    if (coded) {
-                        const int8_t *vg = (const int8_t *)v_cache + g * row + c;
-                        switch (nh) {
-                        case 1: pv_tile(sh, vg, off, vscale, 1, n, 1, oh, head_dim); break;
-                        case 2: pv_tile(sh, vg, off, vscale, 1, n, 2, oh, head_dim); break;
-                        case 3: pv_tile(sh, vg, off, vscale, 1, n, 3, oh, head_dim); break;
-                        default: pv_tile(sh, vg, off, vscale, 1, n, 4, oh, head_dim); break;
-                        }
-                    } else {
-                        const float *vg = (const float *)v_cache + g * row + c;
-                        switch (nh) {
-                        case 1: pv_tile(sh, vg, off, NULL, 0, n, 1, oh, head_dim); break;
-                        case 2: pv_tile(sh, vg, off, NULL, 0, n, 2, oh, head_dim); break;
-                        case 3: pv_tile(sh, vg, off, NULL, 0, n, 3, oh, head_dim); break;
-                        default: pv_tile(sh, vg, off, NULL, 0, n, 4, oh, head_dim); break;
-                        }
+                    const void *vg = coded ? (const void *)((const int8_t *)v_cache + g * row + c)
+                                           : (const void *)((const float *)v_cache + g * row + c);
+/* constants for pv_tile's coded and nh, so that each variant keeps its sums in registers */
+#define PV(NH) (coded ? pv_tile(sh, vg, off, vscale, 1, n, NH, oh, head_dim) \
+                      : pv_tile(sh, vg, off, NULL, 0, n, NH, oh, head_dim))
+                    switch (nh) {
+                    case 1: PV(1); break;
+                    case 2: PV(2); break;
+                    case 3: PV(3); break;
+                    default: PV(4); break;
                     }
+#undef PV
                 }
         }
         return;
