@@ -16,6 +16,7 @@ A dense [chunk, context + chunk] mask sends SDPA down a path that is 1.5-1.7x sl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,10 @@ import torch.nn.functional as F
 
 from engine.kv_codec import KVCodec
 from engine.paged_decode import paged_decode_attention
+
+# A chunk's causal attention in one call: q [n, H, D], keys and values [L, KVH, D] (cached
+# context, then the chunk's own) -> [n, H, D]. NativeOps.prefill_attention is one.
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -179,9 +184,11 @@ def paged_attention(
     meta: AttentionMetadata,
     block_size: int,
     codec: KVCodec | None = None,
+    prefill: PrefillAttention | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] (already written to the cache); caches: [blocks*block_size, KVH, width],
-    stored as `codec` says (None: as the activations).
+    stored as `codec` says (None: as the activations). `prefill` (None: torch's SDPA) computes
+    the prefill chunks' attention.
 
     Returns [T, H, D].
     """
@@ -194,20 +201,23 @@ def paged_attention(
         out[:nd] = o
     group = q.shape[1] // k.shape[1]
     for c in meta.prefills:
+        rows = slice(c.start, c.end)
         if c.context_len:
             blocks, ctx = c.block_table[: -(-c.context_len // block_size)], slice(0, c.context_len)
             k_ctx = _gather(k_cache, blocks, block_size, codec).flatten(0, 1)[ctx]  # [context_len, KVH, D]
             v_ctx = _gather(v_cache, blocks, block_size, codec).flatten(0, 1)[ctx]
-            out[c.start : c.end] = _after_context(
-                q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], k_ctx, v_ctx
-            )
+            if prefill is not None:
+                out[rows] = prefill(q[rows].contiguous(), torch.cat([k_ctx, k[rows]]), torch.cat([v_ctx, v[rows]]))
+            else:
+                out[rows] = _after_context(q[rows], k[rows], v[rows], k_ctx, v_ctx)
+            continue
+        if prefill is not None:
+            out[rows] = prefill(q[rows].contiguous(), k[rows].contiguous(), v[rows].contiguous())
             continue
         # 4-D inputs with KV heads repeated hit the CPU flash kernel; enable_gqa or 3-D
         # inputs fall back to the math path, 2-3x slower.
-        kc = k[c.start : c.end].repeat_interleave(group, dim=1)
-        vc = v[c.start : c.end].repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(
-            _heads_first(q[c.start : c.end]), _heads_first(kc), _heads_first(vc), is_causal=True
-        )
-        out[c.start : c.end] = o[0].transpose(0, 1)
+        kc = k[rows].repeat_interleave(group, dim=1)
+        vc = v[rows].repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(_heads_first(q[rows]), _heads_first(kc), _heads_first(vc), is_causal=True)
+        out[rows] = o[0].transpose(0, 1)
     return out

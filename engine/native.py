@@ -39,7 +39,7 @@ from engine.linear import RowQuantWeight, cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c"))
+SOURCES = tuple(CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c", "prefill_attention.c"))
 HEADERS = (CSRC / "common.h",)
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
@@ -53,8 +53,11 @@ _SIGNATURES = {
     "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I),
     "decode_attention": (_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
+    "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
+    "prefill_attention_fast": (),
 }
-_STATUS = ("decode_attention", "linear_i8")  # these return 0, or -1 without scratch
+# these return 0, or -1 without scratch (prefill_attention: -2 for a shape it does not take)
+_STATUS = ("decode_attention", "linear_i8", "prefill_attention", "prefill_attention_fast")
 
 
 class NativeOps:
@@ -136,6 +139,27 @@ class NativeOps:
                                      out.data_ptr())  # fmt: skip
         if status != 0:
             raise MemoryError(f"int8 linear's scratch for {rows} rows of {w.in_features}")
+        return out
+
+    @functools.cached_property
+    def prefill_attention_fast(self) -> bool:
+        """Whether prefill_attention runs the AVX512-BF16 kernel (else plain loops, for tests)."""
+        return bool(self._lib.prefill_attention_fast())
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk's queries q [n, H, D] over keys and values [L, KVH, D] (the
+        cached context, then the chunk's own: query i sees keys up to L - n + i), with q, k, the
+        softmax weights and v rounded to bf16 and fp32 sums (engine/csrc/prefill_attention.c). All
+        fp32 and contiguous. Raises ValueError for a head dim other than 32, 64 or 128, MemoryError
+        without scratch."""
+        (n, heads, d), (length, kv_heads, _) = q.shape, k.shape
+        out = q.new_empty(n, heads, d)
+        status = self._lib.prefill_attention(q.data_ptr(), n, k.data_ptr(), v.data_ptr(), length, heads, kv_heads,
+                                             d, d**-0.5, torch.get_num_threads(), out.data_ptr())  # fmt: skip
+        if status == -2:
+            raise ValueError(f"prefill attention takes head dims 32, 64 or 128 and whole GQA groups, not {q.shape}")
+        if status != 0:
+            raise MemoryError(f"prefill attention's scratch for {n} queries over {length} keys")
         return out
 
 

@@ -1,12 +1,28 @@
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
+from engine import native
 from engine.model import LlamaModel
 from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer
 from tests.unit.tiny import TINY, tiny_weights
+
+HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
+
+
+@pytest.fixture(scope="module")
+def ops() -> native.NativeOps:
+    """The built C ops (engine/native.py)."""
+    if not HAS_CC:
+        pytest.skip("no C compiler: the engine runs its torch ops (tested in test_native.py)")
+    built = native.ops()
+    assert built is not None, "a C compiler is here, so the library must build"
+    return built
 
 
 @pytest.fixture(scope="session")

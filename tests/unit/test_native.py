@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,19 +17,9 @@ from engine import native
 from engine.linear import Projection, RowQuantWeight
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
+from tests.unit.conftest import HAS_CC
 from tests.unit.test_paged_decode import dense_reference, random_tables
 from tests.unit.tiny import TINY, make_engine, tiny_weights
-
-HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None
-
-
-@pytest.fixture(scope="module")
-def ops() -> native.NativeOps:
-    if not HAS_CC:
-        pytest.skip("no C compiler: the engine runs its torch ops (tested below)")
-    built = native.ops()
-    assert built is not None, "a C compiler is here, so the library must build"
-    return built
 
 
 @pytest.fixture

@@ -11,14 +11,13 @@ import torch
 from engine import native
 from engine.kv_codec import KVCodec
 from engine.model import LlamaModel
-from tests.unit.test_native import ops  # noqa: F401 (the built library, a fixture)
 from tests.unit.test_paged_decode import dense_reference, random_tables
 from tests.unit.tiny import TINY, tiny_weights
 
 CODEC = KVCodec.of("int8", torch.float32)
 
 
-def test_rope_write_codes_the_kv_as_the_codec_does(ops: native.NativeOps) -> None:  # noqa: F811
+def test_rope_write_codes_the_kv_as_the_codec_does(ops: native.NativeOps) -> None:
     model = LlamaModel(TINY, tiny_weights(), torch.float32)
     nh, nkv, d = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
     gen = torch.Generator().manual_seed(5)
@@ -39,7 +38,7 @@ def test_rope_write_codes_the_kv_as_the_codec_does(ops: native.NativeOps) -> Non
 @pytest.mark.parametrize("lens", [[1], [5, 16, 17], [300, 7, 129, 64], [1537, 512, 513]])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 2, 16)])
 def test_attention_over_int8_codes_is_attention_over_their_values(
-    ops: native.NativeOps,  # noqa: F811
+    ops: native.NativeOps,
     lens: list[int],
     shape: tuple[int, int, int],
 ) -> None:

@@ -1,0 +1,146 @@
+"""engine/csrc/prefill_attention.c: a prefill chunk's causal attention with bf16 dot products,
+against a torch emulation of its roundings, against exact attention, through the paged path,
+and in the plain-loop build the engine does not use (so it runs on any CPU)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import native
+from engine.attention import AttentionMetadata, PrefillChunk, paged_attention
+from engine.model import LlamaModel
+from engine.weights import random_weights
+from tests.unit.conftest import HAS_CC
+from tests.unit.test_attention import reference
+from tests.unit.tiny import TINY
+
+KEYS = 32  # the vector kernel's block of keys
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()  # round to nearest even, as vcvtne2ps2bf16
+
+
+def emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int | None = None) -> torch.Tensor:
+    """The kernel's arithmetic in torch: q * scale * log2(e), k, the softmax weights and v
+    rounded to bf16; scores, exp2, the sum and the division in fp32. The weights are rounded
+    against the running max of blocks of `keys` keys, as the vector kernel goes (flash style),
+    or against the row's max (None), as the plain loops do."""
+    n, heads, d = q.shape
+    length, group = k.shape[0], heads // k.shape[1]
+    qb = bf16(q * (d**-0.5 * math.log2(math.e))).transpose(0, 1)  # [H, n, D]
+    kb, vb = (bf16(x).repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [H, L, D]
+    s = qb @ kb.transpose(1, 2)
+    s = s.masked_fill(torch.ones(n, length, dtype=torch.bool).triu(length - n + 1), float("-inf"))
+    keys = keys or length
+    m = torch.full((heads, n, 1), float("-inf"))
+    total, acc = torch.zeros(heads, n, 1), torch.zeros(heads, n, d)
+    for b in range(0, length, keys):
+        sb = s[..., b : b + keys]
+        m_new = torch.maximum(m, sb.amax(-1, keepdim=True))
+        alpha, p = torch.exp2(m - m_new), torch.exp2(sb - m_new)
+        total, acc = total * alpha + p.sum(-1, keepdim=True), acc * alpha + bf16(p) @ vb[:, b : b + keys]
+        m = m_new
+    return (acc / total).transpose(0, 1)
+
+
+def inputs(n: int, length: int, heads: int, kv_heads: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, d, generator=g), *(torch.randn(length, kv_heads, d, generator=g) for _ in range(2))
+
+
+SHAPES = [  # n, L, heads, kv_heads, D: fresh chunks, chunks after context, odd sizes, every head dim
+    (1, 1, 3, 1, 64),
+    (7, 7, 9, 3, 64),
+    (64, 64, 4, 4, 32),
+    (5, 70, 9, 3, 64),
+    (33, 100, 2, 1, 128),
+    (130, 130, 6, 2, 64),
+    (17, 531, 9, 3, 64),
+]
+
+
+@pytest.mark.parametrize(("n", "length", "heads", "kv_heads", "d"), SHAPES)
+def test_equals_its_roundings_emulated_and_exact_attention_closely(
+    ops: native.NativeOps, n: int, length: int, heads: int, kv_heads: int, d: int
+) -> None:
+    q, k, v = inputs(n, length, heads, kv_heads, d, seed=n * 1000 + length)
+    out = ops.prefill_attention(q, k, v)
+    # Only the order of the fp32 sums and exp2's last bits differ from the emulation.
+    torch.testing.assert_close(out, emulated(q, k, v, KEYS if ops.prefill_attention_fast else None), rtol=0, atol=1e-4)
+    # bf16's 8 bits of mantissa, against the exact fp32 attention (unit-normal inputs).
+    torch.testing.assert_close(out, reference_of(q, k, v), rtol=0, atol=5e-2)
+
+
+def reference_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    n, heads, d = q.shape
+    h = torch.arange(heads) // (heads // k.shape[1])
+    kr, vr = (x[:, h].transpose(0, 1) for x in (k, v))
+    s = (q.transpose(0, 1) @ kr.transpose(1, 2)) * d**-0.5
+    s = s.masked_fill(torch.ones(n, k.shape[0], dtype=torch.bool).triu(k.shape[0] - n + 1), float("-inf"))
+    return (s.softmax(-1) @ vr).transpose(0, 1)
+
+
+def test_the_same_bits_on_any_number_of_threads(ops: native.NativeOps) -> None:
+    q, k, v = inputs(45, 300, 9, 3, 64, seed=7)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(ops.prefill_attention(q, k, v))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_a_shape_it_does_not_take_is_a_clear_error(ops: native.NativeOps) -> None:
+    q, k, v = inputs(4, 4, 4, 2, 16, seed=1)
+    with pytest.raises(ValueError, match="head dims 32, 64 or 128"):
+        ops.prefill_attention(q, k, v)
+    q, k, v = inputs(4, 4, 5, 2, 64, seed=1)  # 5 heads over 2 kv heads
+    with pytest.raises(ValueError, match="whole GQA groups"):
+        ops.prefill_attention(q, k, v)
+
+
+@pytest.mark.parametrize(("context_len", "n"), [(0, 40), (16, 9), (37, 64)])
+def test_the_paged_path_through_it_equals_the_masked_reference(ops: native.NativeOps, context_len: int, n: int) -> None:
+    heads, kv_heads, d, bs = 6, 2, 64, 4
+    total = context_len + n
+    g = torch.Generator().manual_seed(total)
+    q = torch.randn(n, heads, d, generator=g)
+    k, v = (torch.randn(total, kv_heads, d, generator=g) for _ in range(2))
+    num_blocks = -(-total // bs)
+    table = torch.randperm(num_blocks + 3, generator=g)[:num_blocks]
+    slots = (table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(num_blocks))[:total]
+    k_cache, v_cache = (torch.zeros((num_blocks + 3) * bs, kv_heads, d) for _ in range(2))
+    k_cache[slots], v_cache[slots] = k, v
+    meta = AttentionMetadata(slots[context_len:], 0, None, None, (PrefillChunk(0, n, context_len, table),))
+    out = paged_attention(q, k[context_len:], v[context_len:], k_cache, v_cache, meta, bs, None, ops.prefill_attention)
+    torch.testing.assert_close(out, emulated(q, k, v, KEYS if ops.prefill_attention_fast else None), rtol=0, atol=1e-4)
+    torch.testing.assert_close(out, reference(q, k, v, context_len), rtol=0, atol=5e-2)
+
+
+def test_an_int8_model_takes_it_where_the_cpu_runs_it_fast(ops: native.NativeOps) -> None:
+    wide = dataclasses.replace(TINY, head_dim=32)
+    int8 = LlamaModel(wide, random_weights(wide), torch.float32, int8=True)
+    assert (int8.prefill_attention is not None) == ops.prefill_attention_fast
+    assert LlamaModel(wide, random_weights(wide), torch.float32).prefill_attention is None  # fp32 weights: torch's
+    assert LlamaModel(TINY, random_weights(TINY), torch.float32, int8=True).prefill_attention is None  # head dim 16
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_without_avx512_the_plain_loops_compute_the_same_roundings(tmp_path: Path) -> None:
+    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f"))
+    plain = native.NativeOps(ctypes.CDLL(str(path)))
+    assert not plain.prefill_attention_fast
+    for n, length, heads, kv_heads, d in SHAPES:
+        q, k, v = inputs(n, length, heads, kv_heads, d, seed=3)
+        torch.testing.assert_close(plain.prefill_attention(q, k, v), emulated(q, k, v), rtol=0, atol=1e-4)
