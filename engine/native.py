@@ -55,9 +55,10 @@ _SIGNATURES = {
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
     "prefill_attention_fast": (),
+    "linear_i8_fast": (),
 }
 # these return 0, or -1 without scratch (prefill_attention: -2 for a shape it does not take)
-_STATUS = ("decode_attention", "linear_i8", "prefill_attention", "prefill_attention_fast")
+_STATUS = ("decode_attention", "linear_i8", "prefill_attention", "prefill_attention_fast", "linear_i8_fast")
 
 
 class NativeOps:
@@ -140,6 +141,11 @@ class NativeOps:
         if status != 0:
             raise MemoryError(f"int8 linear's scratch for {rows} rows of {w.in_features}")
         return out
+
+    @functools.cached_property
+    def linear_i8_fast(self) -> bool:
+        """Whether linear_i8 runs the AVX512-VNNI kernel (else plain integer loops)."""
+        return bool(self._lib.linear_i8_fast())
 
     @functools.cached_property
     def prefill_attention_fast(self) -> bool:

@@ -117,19 +117,22 @@ def per_row_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return dots * (amax / 127.0)[:, None] * scale.float()
 
 
-def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps) -> None:
+# 7 blocks and 13 rows: tiles of 4 x 4 and remainders, split unevenly over 2 threads; 6 blocks
+# and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 4 x 4 tiles for the last 5 rows.
+@pytest.mark.parametrize(("blocks", "rows"), [(7, 13), (6, 37)])
+def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps, blocks: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(3)
-    n, k = 16 * 7, 96  # 7 blocks: tiles of 4 and a remainder, split unevenly over 2 threads
+    n, k = 16 * blocks, 96
     qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
     w = RowQuantWeight.from_int8(qweight, scale)
     assert w is not None
-    x = torch.randn(13, k, generator=gen) * torch.logspace(-3, 2, 13)[:, None]  # 3 tiles of 4 rows and 1
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
     x[5] = 0.0  # a zero row: scale 0, output 0
     expected = per_row_reference(x, qweight, scale)
     assert torch.equal(ops.linear_i8(x, w), expected)
     # each row depends on itself alone: alone, in another batch, on one thread
-    assert all(torch.equal(ops.linear_i8(x[i : i + 1], w), expected[i : i + 1]) for i in range(13))
+    assert all(torch.equal(ops.linear_i8(x[i : i + 1], w), expected[i : i + 1]) for i in range(rows))
     assert torch.equal(ops.linear_i8(x.flip(0)[3:], w), expected.flip(0)[3:])
     threads = torch.get_num_threads()
     try:
@@ -178,7 +181,7 @@ def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(o
     """The decode step's int8 matmuls quantize per row, so a verify step's extra rows leave the
     others' logits as they are: speculation on gives the tokens and logprobs of speculation off,
     bit for bit, in int8 too (through fbgemm's per-tensor kernel, the logprobs moved: checked
-    when this was written). Prefill steps still run fbgemm, so both runs prefill alike here."""
+    when this was written)."""
     model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
     assert model.native is ops and all(p.rows is not None for p in model._projections())
     looping = [([(7 * i + 3 * j) % 120 + 1 for j in range(5)] * 6)[: 12 + 5 * i] for i in range(4)]
@@ -191,6 +194,26 @@ def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(o
     for a, b in zip(on, off, strict=True):
         assert a.token_ids == b.token_ids
         assert [(x.token_id, x.logprob) for x in a.logprobs if x] == [(x.token_id, x.logprob) for x in b.logprobs if x]
+
+
+def test_an_int8_prompt_prefills_alike_alone_and_beside_others(ops: native.NativeOps) -> None:
+    """Prefill's int8 matmuls quantize per row too (where VNNI runs them): a prompt's tokens and
+    logprobs do not depend on the prompts prefilled in the same step. Through fbgemm, whose one
+    scale spans the whole step, they did (checked when this was written)."""
+    if not ops.linear_i8_fast:
+        pytest.skip("no AVX512-VNNI: prefill keeps fbgemm")
+    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
+    assert model.per_row is ops
+    prompt, others = list(range(3, 40)), [[100] * 9, [((i * 37) % 120) * 9 % 120 + 1 for i in range(60)]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    alone = make_engine(model, num_blocks=128).generate([prompt], params)[0]
+    engine = make_engine(model, num_blocks=128)
+    beside = engine.generate([others[0], prompt, others[1]], params)[1]
+    engine.check_integrity()
+    assert alone.token_ids == beside.token_ids
+    assert [(x.token_id, x.logprob) for x in alone.logprobs if x] == [
+        (x.token_id, x.logprob) for x in beside.logprobs if x
+    ]
 
 
 def test_the_build_is_cached(tmp_path: Path) -> None:

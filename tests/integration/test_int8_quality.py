@@ -1,0 +1,40 @@
+"""int8 weights on the real model: the first greedy token against fp32's, on 40 chat prompts.
+
+The first token comes from the prefill. Through fbgemm's dynamic kernel, one activation scale
+spans the whole prompt (7 bits of it, reduce_range), and the first token matched fp32's on only
+12-13 of these 40 prompts. Quantized per row (engine/csrc/linear_i8.c, where the CPU has
+AVX512-VNNI), it matched on 30 of 40, with either prefill attention (torch's fp32 kernel or the
+bf16 one). The threshold, 24, sits between the two with room for other CPUs' rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+TOPICS = ["the ocean", "a bicycle", "prime numbers", "the French revolution", "photosynthesis", "a haiku", "coffee",
+          "Python lists", "the moon", "volcanoes", "chess", "rain", "a recipe for bread", "gravity", "jazz",
+          "the Roman empire", "electric cars", "sleep", "birds", "the internet"]  # fmt: skip
+FORMS = ["Tell me about {}.", "Write two sentences on {}, then a question about it."]
+MIN_FIRST_TOKENS = 24
+
+
+def test_int8_first_tokens_match_fp32s(engine_fp32: Engine, model_path: str) -> None:
+    int8 = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256))
+    if int8.model.per_row is None:
+        pytest.skip("no AVX512-VNNI here: the prefill keeps fbgemm's per-tensor kernel")
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": f.format(t)}])) for f in FORMS for t in TOPICS
+    ]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    want = [r.token_ids for r in engine_fp32.generate(prompts, one)]
+    got = [r.token_ids for r in int8.generate(prompts, one)]
+    int8.check_integrity()
+    same = sum(a == b for a, b in zip(got, want, strict=True))
+    print(f"int8 first token = fp32's on {same} of {len(prompts)} prompts")
+    assert same >= MIN_FIRST_TOKENS
