@@ -7,7 +7,7 @@
  * q, k, p (the softmax weights) and v are rounded to bf16 (nearest even); scores, softmax and
  * sums stay fp32. vdpbf16ps does 32 multiply-adds an instruction, twice fp32 FMA's rate: on
  * this machine's cores torch's fp32 flash kernel runs at 55-130 GFLOP/s, its bf16 one no
- * faster, and this one at 170-200 (the README's "Prefill attention" has the figures).
+ * faster, and this one at 170-200 (the README's "Prefill, later" has the figures).
  *
  * Layouts built per call (O(L * D), against the O(n * L * D) of the attention):
  *   kp [kv_heads][L / 16][D / 2][16]: 16 keys' (d, d + 1) bf16 pairs a vector, so one
