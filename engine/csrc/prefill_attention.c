@@ -32,6 +32,7 @@
 #endif
 
 #define KEYS 32 /* keys a block */
+#define HEADROOM 8.0f /* see rows_block */
 #define LOG2E 1.44269504088896341f
 
 static inline uint32_t bf16_bits(float x) { /* round to nearest even, as vcvtne2ps2bf16 */
@@ -95,15 +96,16 @@ static inline __attribute__((always_inline)) void rows_block(const uint32_t *con
                                                               const uint32_t *kp, const uint32_t *vp, int R, int DV,
                                                               float *out, int64_t out_stride) {
     const int64_t pairs = DV * 8;
-    __m512 acc[4][8];
-    float m[4], l[4];
+    __m512 acc[4][8], l[4];
+    float m[4];
     uint32_t pw[4][KEYS / 2];
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < 4; r++) {
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        l[r] = _mm512_setzero_ps();
         for (int c = 0; c < DV; c++) acc[r][c] = _mm512_setzero_ps();
     }
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t kb = 0; kb <= lim[R - 1]; kb += KEYS) {
         __m512 s[4][2];
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
@@ -116,26 +118,33 @@ static inline __attribute__((always_inline)) void rows_block(const uint32_t *con
                 s[r][1] = _mm512_dpbf16_ps(s[r][1], qb, b);
             }
         }
+        const int whole = kb + KEYS - 1 <= lim[0]; /* every row sees every key of the block */
         for (int r = 0; r < R; r++) {
-            __m512i first = _mm512_add_epi32(lane, _mm512_set1_epi32((int)kb));
-            __mmask16 ok0 = _mm512_cmple_epi32_mask(first, _mm512_set1_epi32((int)lim[r]));
-            __mmask16 ok1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(first, _mm512_set1_epi32(16)),
-                                                    _mm512_set1_epi32((int)lim[r]));
-            __m512 ninf = _mm512_set1_ps(-INFINITY);
-            __m512 s0 = _mm512_mask_mov_ps(ninf, ok0, s[r][0]), s1 = _mm512_mask_mov_ps(ninf, ok1, s[r][1]);
-            float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-            float m_new = mx > m[r] ? mx : m[r];
-            if (m_new == -INFINITY) { /* nothing visible yet in this row (cannot happen: key 0 always is) */
-                for (int t = 0; t < KEYS / 2; t++) pw[r][t] = 0;
-                continue;
+            __mmask16 ok0 = 0xFFFF, ok1 = 0xFFFF;
+            __m512 s0 = s[r][0], s1 = s[r][1];
+            if (!whole) {
+                __m512i first = _mm512_add_epi32(lane, _mm512_set1_epi32((int)kb)), last = _mm512_set1_epi32((int)lim[r]);
+                ok0 = _mm512_cmple_epi32_mask(first, last);
+                ok1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(first, _mm512_set1_epi32(16)), last);
+                s0 = _mm512_mask_mov_ps(ninf, ok0, s0);
+                s1 = _mm512_mask_mov_ps(ninf, ok1, s1);
             }
-            float alpha = exp_approx((m[r] - m_new) * 0.69314718f);
-            m[r] = m_new;
-            __m512 p0 = _mm512_maskz_mov_ps(ok0, exp2_ps(_mm512_sub_ps(s0, _mm512_set1_ps(m_new))));
-            __m512 p1 = _mm512_maskz_mov_ps(ok1, exp2_ps(_mm512_sub_ps(s1, _mm512_set1_ps(m_new))));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            __m512 al = _mm512_set1_ps(alpha);
-            for (int c = 0; c < DV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], al);
+            /* The running max moves only when a score passes it by more than HEADROOM (log2
+             * units): the weights then stay <= 2^HEADROOM, and most blocks skip the reduction
+             * and the rescale. (Key 0 is in every row's first block, so m is finite after it.) */
+            __m512 mx = _mm512_max_ps(s0, s1);
+            if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[r] + HEADROOM), _CMP_GT_OQ)) {
+                float m_new = _mm512_reduce_max_ps(mx);
+                m_new = m_new > m[r] ? m_new : m[r];
+                __m512 al = _mm512_set1_ps(exp_approx((m[r] - m_new) * 0.69314718f));
+                m[r] = m_new;
+                l[r] = _mm512_mul_ps(l[r], al);
+                for (int c = 0; c < DV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], al);
+            }
+            __m512 mr = _mm512_set1_ps(m[r]);
+            __m512 p0 = _mm512_maskz_mov_ps(ok0, exp2_ps(_mm512_sub_ps(s0, mr)));
+            __m512 p1 = _mm512_maskz_mov_ps(ok1, exp2_ps(_mm512_sub_ps(s1, mr)));
+            l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
         const uint32_t *vrow = vp + (kb / 2) * DV * 16;
@@ -149,12 +158,13 @@ static inline __attribute__((always_inline)) void rows_block(const uint32_t *con
         }
     }
     for (int r = 0; r < rows; r++) {
-        __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
         for (int c = 0; c < DV; c++) _mm512_storeu_ps(out + r * out_stride + c * 16, _mm512_mul_ps(acc[r][c], inv));
     }
 }
 #endif
 
+#ifndef HAVE_BF16
 /* The plain loops: one query row, scores kept whole in `scores` [L]. */
 static void plain_row(const float *q, const float *k, const float *v, int64_t lim, int64_t kv_stride, int64_t d,
                       float mul, float *scores, float *out) {
@@ -175,6 +185,7 @@ static void plain_row(const float *q, const float *k, const float *v, int64_t li
     }
     for (int64_t i = 0; i < d; i++) out[i] /= total;
 }
+#endif
 
 /* Returns 0; -1 when scratch cannot be allocated; -2 when D is not 32, 64 or 128, or heads is
  * not a multiple of kv_heads (out untouched). */

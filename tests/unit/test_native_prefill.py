@@ -21,7 +21,7 @@ from tests.unit.conftest import HAS_CC
 from tests.unit.test_attention import reference
 from tests.unit.tiny import TINY
 
-KEYS = 32  # the vector kernel's block of keys
+KEYS, HEADROOM = 32, 8.0  # the vector kernel's block of keys, and how far past its max a score moves it
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -31,8 +31,9 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
 def emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int | None = None) -> torch.Tensor:
     """The kernel's arithmetic in torch: q * scale * log2(e), k, the softmax weights and v
     rounded to bf16; scores, exp2, the sum and the division in fp32. The weights are rounded
-    against the running max of blocks of `keys` keys, as the vector kernel goes (flash style),
-    or against the row's max (None), as the plain loops do."""
+    against a running max over blocks of `keys` keys, as the vector kernel goes (flash style:
+    the max moves only when a block's passes it by more than HEADROOM), or against the row's
+    max (None), as the plain loops do."""
     n, heads, d = q.shape
     length, group = k.shape[0], heads // k.shape[1]
     qb = bf16(q * (d**-0.5 * math.log2(math.e))).transpose(0, 1)  # [H, n, D]
@@ -44,7 +45,8 @@ def emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int | None
     total, acc = torch.zeros(heads, n, 1), torch.zeros(heads, n, d)
     for b in range(0, length, keys):
         sb = s[..., b : b + keys]
-        m_new = torch.maximum(m, sb.amax(-1, keepdim=True))
+        top = sb.amax(-1, keepdim=True)
+        m_new = torch.where(top > m + HEADROOM, torch.maximum(m, top), m)
         alpha, p = torch.exp2(m - m_new), torch.exp2(sb - m_new)
         total, acc = total * alpha + p.sum(-1, keepdim=True), acc * alpha + bf16(p) @ vb[:, b : b + keys]
         m = m_new
@@ -86,6 +88,16 @@ def reference_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     s = (q.transpose(0, 1) @ kr.transpose(1, 2)) * d**-0.5
     s = s.masked_fill(torch.ones(n, k.shape[0], dtype=torch.bool).triu(k.shape[0] - n + 1), float("-inf"))
     return (s.softmax(-1) @ vr).transpose(0, 1)
+
+
+def test_scores_that_keep_rising_move_the_max_many_times(ops: native.NativeOps) -> None:
+    """Keys scaled up along the sequence: later blocks pass the running max by more than the
+    headroom again and again, so the rescaling runs, not only the first block's max."""
+    q, k, v = inputs(40, 300, 6, 2, 64, seed=11)
+    q, k = q.abs() + 0.5, k.abs() * torch.linspace(0.05, 4.0, 300)[:, None, None]
+    out = ops.prefill_attention(q, k, v)
+    torch.testing.assert_close(out, emulated(q, k, v, KEYS if ops.prefill_attention_fast else None), rtol=0, atol=1e-4)
+    torch.testing.assert_close(out, reference_of(q, k, v), rtol=0, atol=5e-2)
 
 
 def test_the_same_bits_on_any_number_of_threads(ops: native.NativeOps) -> None:
