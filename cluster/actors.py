@@ -7,7 +7,8 @@ waits behind generation:
     default  max 64   start / prefill / reserve / write-back: one thread per call, held for its length
     health   max 4    ping, drain: touch no lock, answer within milliseconds however busy
     control  max 16   idle, abort, release, renew, stats, check_integrity: one engine step at most
-    feed     max 8    take_outputs: a router's long poll for its requests' outputs (engine/outbox.py)
+    feed     max 8    take_outputs / attach_feed: a router's long poll for its requests' outputs
+                      (engine/outbox.py), or the socket they are pushed down (cluster/feed_channel.py)
 
 cluster/worker_actors.py starts them (0 CPUs and one slot of their role's custom resource, so
 placement follows the `prefill` / `decode` / `colocated` slots nodes advertise), finds and kills them.
@@ -16,13 +17,14 @@ placement follows the `prefill` / `decode` / `colocated` slots nodes advertise),
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import ray
 
+from cluster.config import bind_host
+from cluster.feed_channel import Pushers
 from cluster.registration import PublishesBlocks, Registered
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
@@ -62,6 +64,7 @@ class _Hosted:
     calls stay in the default group, counted by `serving()` for idle()."""
 
     w: WorkerBase
+    pushers: Pushers  # the sockets its outputs go down to routers (cluster/feed_channel.py)
     _flip_to = ""  # drained to turn into this role (PDActor.flip): a restarted manager reads it in stats()
 
     @property
@@ -104,6 +107,12 @@ class _Hosted:
     def take_outputs(self, subscriber: str, wait_s: float) -> list[Item]:
         return self.w.take_outputs(subscriber, wait_s)
 
+    @_lane(FEED)
+    def attach_feed(self, subscriber: str, address: tuple[str, int], token: bytes, wait_s: float) -> None:
+        """Push `subscriber`'s outputs to its router down a socket (cluster/feed_channel.py)."""
+        outboxes = self.w.outboxes
+        self.pushers.attach(outboxes.take, outboxes.give_back, subscriber, address, token, wait_s)
+
     def start(self, *args: Any, **kwargs: Any) -> None:
         with self.w.serving():
             self.w.start(*args, **kwargs)
@@ -139,6 +148,7 @@ class PDActor(_Hosted, PublishesBlocks):
     ) -> None:
         self._model_path, self._transport, self._tls = model_path, transport, tls
         self.w = self._make(worker_id, config, None)
+        self.pushers = Pushers()
         # a request's end publishes its answer's blocks at once: a next turn may follow right away
         self.w.loop.on_outputs.append(self._publish_on_finish)
         self._register(state_url, namespace)
@@ -146,11 +156,11 @@ class PDActor(_Hosted, PublishesBlocks):
     def _make(self, worker_id: str, config: EngineConfig, core: WorkerBase | None) -> PrefillWorker | DecodeWorker:
         if config.role == "prefill":
             return PrefillWorker(
-                worker_id, self._model_path, config, self._transport, tls=self._tls, host=_bind_host(), core=core
+                worker_id, self._model_path, config, self._transport, tls=self._tls, host=bind_host(), core=core
             )
         in_place = self._transport in ("shm", "auto")  # the cache in /dev/shm, for prefill workers to write
         return DecodeWorker(
-            worker_id, self._model_path, config, host=_bind_host(), tls=self._tls, core=core, in_place=in_place
+            worker_id, self._model_path, config, host=bind_host(), tls=self._tls, core=core, in_place=in_place
         )
 
     @_lane(CONTROL)
@@ -253,13 +263,9 @@ class ColocatedActor(_Hosted, Registered):
 
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
         self.w = ColocatedWorker(worker_id, model_path, config)
+        self.pushers = Pushers()
         self._register(state_url, namespace)
 
     def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:
         with self.w.serving():
             yield from self.w.generate(*args, **kwargs)
-
-
-def _bind_host() -> str:
-    """The KV endpoint other nodes dial; loopback unless the deployment names this node's address."""
-    return os.environ.get("TANDEM_BIND_HOST", "127.0.0.1")

@@ -30,6 +30,12 @@ class ClusterConfig:
     worker_env: dict[str, str] = field(default_factory=lambda: otel_env(os.environ))
 
 
+def bind_host() -> str:
+    """The address this node's endpoints (decode workers' KV servers, the router's feed
+    listener) bind and advertise: loopback unless the deployment names this node's address."""
+    return os.environ.get("TANDEM_BIND_HOST", "127.0.0.1")
+
+
 def otel_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The OpenTelemetry SDK's variables in `environ` (OTEL_EXPORTER_OTLP_ENDPOINT, ...), but the
     service name: workers name themselves."""

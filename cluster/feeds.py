@@ -2,8 +2,11 @@
 requests in flight takes that worker's outputs, a batch per engine step, and sorts them into
 per-request queues.
 
-    worker w ──take_outputs(subscriber, wait_s)──▶ poller(w) ──▶ queue[r1], queue[r2], ...
-                                                                (cluster.handoff reads its own)
+    worker w ──frames down its feed channel──▶ poller(w) ──▶ queue[r1], queue[r2], ...
+                                                            (cluster.handoff reads its own)
+
+The batches come down a socket the worker pushes them into (cluster/feed_channel.py); a worker
+that cannot reach this process is asked instead, a Ray call (`take_outputs`) a step.
 
 A worker whose take fails (dead, or no answer for `wait_s + frozen_s`) fails every queue it
 feeds at once, with a `Gone`. A poller with no queue left ends; the next request on that worker
@@ -12,6 +15,7 @@ starts one again. Outputs of a request whose queue is closed are dropped.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import uuid
@@ -21,6 +25,8 @@ from typing import Any
 
 import ray
 
+from cluster.config import bind_host
+from cluster.feed_channel import ChannelTake, FeedListener
 from engine.messages import TokenOutput
 from engine.outbox import Item
 
@@ -34,17 +40,29 @@ class Gone:
 
 # What a request's queue holds: an output, the worker's own error for it (a str), or Gone.
 Entry = TokenOutput | str | Gone
-Take = Callable[[Any, str, float], list[Item]]
+Take = Callable[[str, Any, str, float], list[Item]]  # (worker id, its handle, subscriber, wait_s)
 
 
 def ray_take(frozen_s: float) -> Take:
     """`take_outputs` on a worker actor, waiting at most `wait_s + frozen_s` for its answer."""
 
-    def take(handle: Any, subscriber: str, wait_s: float) -> list[Item]:
+    def take(worker_id: str, handle: Any, subscriber: str, wait_s: float) -> list[Item]:
         items: list[Item] = ray.get(handle.take_outputs.remote(subscriber, wait_s), timeout=wait_s + frozen_s)
         return items
 
     return take
+
+
+def channel_take(frozen_s: float) -> ChannelTake:
+    """Feed channels to the workers (the Ray call a step where one cannot connect back), the
+    listener on this node's address (`TANDEM_BIND_HOST`)."""
+
+    def attach(handle: Any, subscriber: str, address: tuple[str, int], token: bytes, wait_s: float) -> None:
+        ray.get(handle.attach_feed.remote(subscriber, address, token, wait_s), timeout=frozen_s)
+
+    host = bind_host()
+    listener = FeedListener(host, host)
+    return ChannelTake(listener, attach, ray_take(frozen_s), frozen_s)
 
 
 class _Poller:
@@ -63,7 +81,7 @@ class _Poller:
                     self._end()
                     return
             try:
-                items = f.take(self.handle, f.subscriber, f.wait_s)
+                items = f.take(self.worker_id, self.handle, f.subscriber, f.wait_s)
             except Exception as e:
                 with f.lock:
                     for q in self.queues.values():
@@ -85,11 +103,12 @@ class _Poller:
 
 class Feeds:
     """One per router process (cluster.Cluster): its `subscriber` id names its outbox on every
-    worker. Thread-safe. `take` is the call to a worker (`ray_take` by default)."""
+    worker. Thread-safe. `take` is how a worker's next batch is read (`channel_take` by default)."""
 
     def __init__(self, take: Take | None = None, wait_s: float = 1.0, frozen_s: float = 10.0) -> None:
         self.subscriber = uuid.uuid4().hex
-        self.take = take or ray_take(frozen_s)
+        direct = os.environ.get("TANDEM_FEED_CHANNEL", "1") != "0"  # 0: a Ray call a step (for A/B)
+        self.take = take or (channel_take(frozen_s) if direct else ray_take(frozen_s))
         self.wait_s = wait_s
         self.lock = threading.Lock()
         self.pollers: dict[str, _Poller] = {}

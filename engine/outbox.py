@@ -109,6 +109,17 @@ class Outboxes:
             box.taken = time.monotonic()
         return items
 
+    def give_back(self, subscriber: str, items: list[Item]) -> None:
+        """Put taken items back in front of `subscriber`'s outbox (a taker that could not deliver
+        them); dropped if the subscriber is forgotten."""
+        if not items:
+            return
+        with self._cond:
+            box = self._boxes.get(subscriber)
+            if box is not None:
+                box.items[:0] = items
+                self._cond.notify_all()
+
     @property
     def undelivered(self) -> int:
         """Items queued that no subscriber has taken yet (a forgotten subscriber's are dropped)."""

@@ -98,7 +98,7 @@ class Script:
         self.go = threading.Event()  # the first take waits for it
         self.more = threading.Event()
 
-    def take(self, handle: Any, subscriber: str, wait_s: float) -> list[Item]:
+    def take(self, worker_id: str, handle: Any, subscriber: str, wait_s: float) -> list[Item]:
         assert self.go.wait(5)
         if not self.batches:
             self.more.wait(wait_s)
