@@ -175,11 +175,14 @@ class Pushers:
         pusher it had stops first: what it takes after that goes back to the outbox, for this one."""
         with self._lock:
             old = self._by_subscriber.pop(subscriber, None)
-            if old is not None:
-                old.stop()
-            pusher = Pusher(take, give_back, subscriber, wait_s)
-            pusher.start(address, token)
-            self._by_subscriber[subscriber] = pusher
+        if old is not None:
+            old.stop()
+        pusher = Pusher(take, give_back, subscriber, wait_s)
+        pusher.start(address, token)  # connects: not under the lock
+        with self._lock:
+            other, self._by_subscriber[subscriber] = self._by_subscriber.get(subscriber), pusher
+        if other is not None:  # attached twice at once: the later one wins
+            other.stop()
 
     def close(self) -> None:
         with self._lock:

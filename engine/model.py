@@ -125,11 +125,11 @@ class LlamaModel:
         emb = torch.cat([angles, angles], dim=-1)  # [max_position, head_dim]
         # the decode step's fused C ops (engine/native.py): fp32 on the CPU only
         self.native = ops() if dtype == torch.float32 and d <= MAX_HEAD_DIM else None
-        # Prefill attention with bf16 dot products (engine/csrc/prefill_attention.c), where the
-        # weights are int8 already (so the output is lossy anyway) and the CPU has AVX512-BF16:
-        # 1.5-3x torch's fp32 flash kernel. None: torch's SDPA, as fp32 weights get.
         # int8 projections of every step through the per-row kernel, where it is fast (see above)
         self.per_row = self.native if self.native is not None and int8 and self.native.linear_i8_fast else None
+        # Prefill attention with bf16 dot products (engine/csrc/prefill_attention.c), where the
+        # weights are int8 already (so the output is lossy anyway) and the CPU has AVX512-BF16:
+        # 2-4x torch's fp32 flash kernel here. None: torch's SDPA, as fp32 weights get.
         self.prefill_attention: PrefillAttention | None = (
             self.native.prefill_attention
             if self.native is not None and int8 and d in (32, 64, 128) and self.native.prefill_attention_fast

@@ -1,5 +1,6 @@
-"""The decode step's small ops, its attention and its int8 matmuls as one C call each
-(engine/csrc/: decode.c, attention.c, linear_i8.c), built on first use.
+"""The decode step's small ops, its attention and its int8 matmuls as one C call each, and a
+prefill chunk's attention (engine/csrc/: decode.c, attention.c, linear_i8.c,
+prefill_attention.c), built on first use.
 
 On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torch ops on a
 576-wide row at ~3 us apiece, and the KV of every decode row was gathered (copied) before SDPA
@@ -57,7 +58,8 @@ _SIGNATURES = {
     "prefill_attention_fast": (),
     "linear_i8_fast": (),
 }
-# these return 0, or -1 without scratch (prefill_attention: -2 for a shape it does not take)
+# these return an int: 0, or -1 without scratch (prefill_attention: -2 for a shape it does not
+# take); the *_fast ones 1 where the vector kernel is built, else 0
 _STATUS = ("decode_attention", "linear_i8", "prefill_attention", "prefill_attention_fast", "linear_i8_fast")
 
 

@@ -15,7 +15,8 @@
  *   vp [kv_heads][L / 2][D]: keys 2t and 2t + 1 paired per d, so one vdpbf16ps against a
  *       broadcast pair of softmax weights adds to 16 output dims at once
  * A work item is R query rows of one q head, flash style: blocks of 32 keys, a running max
- * and sum, the accumulators rescaled as the max moves; scores in log2 units (q is scaled by
+ * and sum, the accumulators rescaled when the max moves (only by more than HEADROOM: most
+ * blocks then skip the reduction and the rescale); scores in log2 units (q is scaled by
  * scale * log2(e)) and exp2.
  *
  * Without AVX512-BF16 the plain loops compute the same roundings one score at a time (the
