@@ -275,7 +275,7 @@ class Cluster:
         """Stop what this Cluster started: the pool manager and its workers (unless only
         joined), the embedded Redis, local Ray. Every step is bounded and runs even if an
         earlier one failed (Redis or Ray may already be gone on Ctrl-C)."""
-        steps: list[Callable[[], object]] = [self.view.stop]
+        steps: list[Callable[[], object]] = [self.view.stop, self.feeds.shutdown]
         if kill_manager:
             steps += [
                 lambda: ray.get(self.manager.shutdown.remote(), timeout=20),

@@ -184,6 +184,12 @@ class Pushers:
         if other is not None:  # attached twice at once: the later one wins
             other.stop()
 
+    @property
+    def live(self) -> int:
+        """Pushers still sending (one stops when its router's end closes)."""
+        with self._lock:
+            return sum(not p.stopped for p in self._by_subscriber.values())
+
     def close(self) -> None:
         with self._lock:
             for p in self._by_subscriber.values():
@@ -246,3 +252,11 @@ class ChannelTake:
             sock = self._channels.pop(worker_id, None)
         if sock is not None:
             sock.close()
+
+    def shutdown(self) -> None:
+        """Close every channel and the listener."""
+        with self._lock:
+            socks, self._channels = list(self._channels.values()), {}
+        for sock in socks:
+            sock.close()
+        self.listener.close()

@@ -113,6 +113,11 @@ class Feeds:
         self.lock = threading.Lock()
         self.pollers: dict[str, _Poller] = {}
 
+    def shutdown(self) -> None:
+        """Close the feed channels and their listener (Cluster.shutdown)."""
+        if isinstance(self.take, ChannelTake):
+            self.take.shutdown()
+
     def open(self, worker_id: str, handle: Any, request_id: str) -> queue.SimpleQueue[Entry]:
         """A queue for `request_id`'s outputs from `worker_id`: open it before starting the request."""
         q: queue.SimpleQueue[Entry] = queue.SimpleQueue()

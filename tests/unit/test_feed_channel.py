@@ -15,6 +15,7 @@ from cluster.feed_channel import ChannelTake, FeedListener, Pushers, recv_frame,
 from engine.messages import TokenOutput
 from engine.outbox import Item, Outboxes
 from engine.outputs import RequestOutput
+from tests.unit.kv_harness import wait_for
 
 WAIT_S, FROZEN_S = 0.05, 0.5
 
@@ -71,7 +72,8 @@ def test_outputs_come_down_the_socket_in_order_and_an_idle_worker_says_it_is_ali
     w.emit("s", "a", 3)
     assert tokens(take, "w1", "s", 1) == [3]
     assert w.attached == 1  # one channel, kept between takes
-    w.pushers.close()
+    take.shutdown()  # the router going away: the worker's pusher stops at its next send
+    assert wait_for(lambda: w.pushers.live == 0), "its pusher stops once the router's end is gone"
 
 
 def test_a_worker_that_goes_away_fails_the_read_and_the_next_take_attaches_again(listener: FeedListener) -> None:
