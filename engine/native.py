@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c", "prefill_attention.c"))
-HEADERS = (CSRC / "common.h",)
+HEADERS = (CSRC / "common.h", CSRC / "attention_int8.h")
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
@@ -57,10 +57,11 @@ _SIGNATURES = {
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
     "prefill_attention_fast": (),
     "linear_i8_fast": (),
+    "decode_attention_int8_fast": (),
 }
 # these return an int: 0, or -1 without scratch (prefill_attention: -2 for a shape it does not
 # take); the *_fast ones 1 where the vector kernel is built, else 0
-_STATUS = ("decode_attention", "linear_i8", "prefill_attention", "prefill_attention_fast", "linear_i8_fast")
+_STATUS = ("decode_attention", "linear_i8", "prefill_attention", *(n for n in _SIGNATURES if n.endswith("_fast")))
 
 
 class NativeOps:
@@ -153,6 +154,13 @@ class NativeOps:
     def prefill_attention_fast(self) -> bool:
         """Whether prefill_attention runs the AVX512-BF16 kernel (else plain loops, for tests)."""
         return bool(self._lib.prefill_attention_fast())
+
+    @functools.cached_property
+    def decode_attention_int8_fast(self) -> bool:
+        """Whether decode_attention over int8 caches (head_dim a multiple of 64) runs the AVX512-VNNI
+        integer kernel (engine/csrc/attention_int8.h: int16 queries and softmax weights), else
+        floats."""
+        return bool(self._lib.decode_attention_int8_fast())
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk's queries q [n, H, D] over keys and values [L, KVH, D] (the

@@ -2,6 +2,7 @@
  * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, and int8
  * ones (engine/kv_codec.py: per token and kv head, head_dim codes then the fp32 scale), whose
  * codes are scaled as they are read: a quarter of the bytes, which is what bounds long contexts.
+ * Where the CPU has AVX512-VNNI, int8 caches are summed in integers instead (attention_int8.h).
  */
 #include "common.h"
 #ifdef __AVX512F__
@@ -14,6 +15,7 @@
 /* Keys of one row that one work item takes: long contexts split into segments (as flash-decoding
  * does) so that one row still keeps every thread busy; merged after. */
 #define SEGMENT 256
+#include "attention_int8.h"
 #define MAX_HEAD_DIM 512 /* engine/native.py's too */
 
 #ifdef __AVX512F__
@@ -105,6 +107,9 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         slot[j] = table[b] * block_size + i;
         if (++i == block_size) b++, i = 0;
     }
+#ifdef INT8_ATTENTION
+    int int8_path = coded && head_dim % 64 == 0;
+#endif
 #ifdef __AVX512F__
     if (head_dim % 16 == 0) { /* 16 keys at a time, their sums reduced together */
         int64_t row = coded ? head_dim + 4 : head_dim, off[SEGMENT + 16];
@@ -116,6 +121,21 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                 kscale[j] = scale;
                 if (coded) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
             }
+#ifdef INT8_ATTENTION
+            if (int8_path) {
+                for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+#define IS(NH) int8_scores(q + h * head_dim, NH, (const int8_t *)kg, off, kscale, n, head_dim, scores + h * SEGMENT, SEGMENT)
+                    switch ((g + 1) * group - h) {
+                    case 1: IS(1); break;
+                    case 2: IS(2); break;
+                    case 3: IS(3); break;
+                    default: IS(4); break;
+                    }
+#undef IS
+                }
+                continue;
+            }
+#endif
             for (int64_t h = g * group; h < (g + 1) * group; h++)
                 for (int64_t j = 0; j < n; j += 16) {
                     __m512 d = coded ? dots16(q + h * head_dim, kg, off + j, 1, head_dim)
@@ -134,21 +154,35 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                     scores[h * SEGMENT + j] = dot(q + h * head_dim, k, (int)head_dim) * ks * scale;
             }
     for (int64_t h = 0; h < heads; h++) {
-        float *s = scores + h * SEGMENT, mx = s[0];
-        for (int64_t j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        float *s = scores + h * SEGMENT, mx = max_of(s, n);
         for (int64_t j = 0; j < n; j++) s[j] = exp_approx(s[j] - mx);
         m[h] = mx;
         l[h] = sum(s, n);
     }
 #ifdef __AVX512F__
     if (head_dim % 64 == 0) {
-        int64_t off[SEGMENT]; /* each key's slot, in floats (fp32) or bytes (int8) */
+        int64_t off[SEGMENT + 1]; /* each key's slot, in floats (fp32) or bytes (int8); pad: key 0 */
         int64_t row = coded ? head_dim + 4 : head_dim;
-        for (int64_t j = 0; j < n; j++) off[j] = slot[j] * kv_heads * row;
+        for (int64_t j = 0; j <= n; j++) off[j] = slot[j < n ? j : 0] * kv_heads * row;
         for (int64_t g = 0; g < kv_heads; g++) {
             const int8_t *vrow = (const int8_t *)v_cache + g * row + head_dim; /* int8: a value's scale */
             if (coded)
                 for (int64_t j = 0; j < n; j++) memcpy(vscale + j, vrow + off[j], 4);
+#ifdef INT8_ATTENTION
+            if (int8_path) {
+                for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+#define IV(NH) int8_values(scores + h * SEGMENT, NH, vscale, vrow - head_dim, off, n, o + h * head_dim, head_dim)
+                    switch ((g + 1) * group - h) {
+                    case 1: IV(1); break;
+                    case 2: IV(2); break;
+                    case 3: IV(3); break;
+                    default: IV(4); break;
+                    }
+#undef IV
+                }
+                continue;
+            }
+#endif
             for (int64_t c = 0; c < head_dim; c += 64)
                 for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
                     int nh = (g + 1) * group - h < 4 ? (int)((g + 1) * group - h) : 4;
@@ -182,6 +216,14 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                 for (int64_t d = 0; d < head_dim; d++) oh[d] += p * v[d];
             }
         }
+}
+
+int decode_attention_int8_fast(void) {
+#ifdef INT8_ATTENTION
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Each decode row's attention over its own context, straight from the paged cache, each query

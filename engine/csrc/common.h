@@ -1,4 +1,4 @@
-/* What the C files of engine/csrc share: exp, and sums that gcc vectorizes. */
+/* What the C files of engine/csrc share: exp, and sums and maxima that gcc vectorizes. */
 #ifndef TANDEM_COMMON_H
 #define TANDEM_COMMON_H
 #include <math.h>
@@ -49,6 +49,19 @@ static inline float sum(const float *a, int64_t n) {
     float s = acc[0];
     for (; i < n; i++) s += a[i];
     return s;
+}
+
+static inline float max_of(const float *a, int64_t n) {
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = a[0];
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = a[i + l] > acc[l] ? a[i + l] : acc[l];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] = acc[l + w] > acc[l] ? acc[l + w] : acc[l];
+    float m = acc[0];
+    for (; i < n; i++) m = a[i] > m ? a[i] : m;
+    return m;
 }
 
 #endif

@@ -5,11 +5,13 @@ test_native.py, with kv_dtype int8.)"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from engine import native
-from engine.kv_codec import KVCodec
+from engine.kv_codec import KVCodec, scales
 from engine.model import LlamaModel
 from tests.unit.test_paged_decode import dense_reference, random_tables
 from tests.unit.tiny import TINY, tiny_weights
@@ -52,4 +54,71 @@ def test_attention_over_int8_codes_is_attention_over_their_values(
     got = ops.decode_attention(qkv, nh, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs)
     q = qkv[:, : nh * d].reshape(len(lens), nh, d)
     expected = dense_reference(q, CODEC.decode(k_cache), CODEC.decode(v_cache), tables, lens, bs)
-    torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=6e-5, rtol=1e-4)
+    # the integer kernel rounds q and the softmax weights to int16 (2^-16 of each one's largest)
+    tol = 3e-4 if ops.decode_attention_int8_fast and d % 64 == 0 else 6e-5
+    torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=tol, rtol=1e-4)
+
+
+def exp_approx(x: torch.Tensor) -> torch.Tensor:
+    """engine/csrc/common.h's exp, op for op in fp32 (so that a weight rounds to the kernel's int16)."""
+    x = x.clamp(-87.3, 88.3)
+    n = torch.floor(x * 1.44269504088896341 + 0.5)
+    r = x - n * 0.693359375
+    r = r - n * -2.12194440e-4
+    p = torch.full_like(r, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + c
+    return torch.ldexp(p * r * r + r + 1.0, n)
+
+
+def int16_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]], lens: list[int], bs: int
+) -> torch.Tensor:
+    """What engine/csrc/attention_int8.h computes, in torch: per 256-key segment and head, the
+    query and the softmax weights (numerator times the value's scale) rounded to int16 by their
+    largest magnitude, integer sums with the codes; the segments merged by their maxima."""
+    rows, nh, d = q.shape
+    group, seg = nh // k_cache.shape[1], 256
+    out = torch.zeros(rows, nh, d, dtype=torch.float64)
+    for i in range(rows):
+        slots = [tables[i][t // bs] * bs + t % bs for t in range(lens[i])]
+        codes_k, scale_k = k_cache[slots][..., :d], scales(k_cache[slots])[..., 0]
+        codes_v, scale_v = v_cache[slots][..., :d], scales(v_cache[slots])[..., 0]
+        for h in range(nh):
+            g, qh = h // group, q[i, h]
+            qs, top = qh.abs().max() / 32767, torch.tensor(32767.0)  # top / x: a division, not 1 / x * top
+            qi = torch.round(qh * (top / qh.abs().max())).double()
+            s = (codes_k[:, g].double() @ qi).float() * qs * (scale_k[:, g] * torch.tensor(d**-0.5))
+            parts = []
+            for b in range(0, lens[i], seg):
+                m = s[b : b + seg].max()
+                p = exp_approx(s[b : b + seg] - m)
+                w = p * scale_v[b : b + seg, g]
+                wi = torch.round(w * (top / w.max())).double()
+                parts.append((m, p.double().sum(), (wi @ codes_v[b : b + seg, g].double()) * float(w.max() / 32767)))
+            mx = max(float(m) for m, _, _ in parts)
+            weight = [math.exp(float(m) - mx) for m, _, _ in parts]
+            total = sum(x * norm for x, (_, norm, _) in zip(weight, parts, strict=True))
+            out[i, h] = sum(x * o for x, (_, _, o) in zip(weight, parts, strict=True)) / total
+    return out
+
+
+@pytest.mark.parametrize("lens", [[1], [5, 16, 17], [300, 7, 129, 64], [1537, 512, 513]])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (6, 6, 64)])
+def test_the_integer_kernel_rounds_only_the_query_and_the_weights(
+    ops: native.NativeOps,
+    lens: list[int],
+    shape: tuple[int, int, int],
+) -> None:
+    if not ops.decode_attention_int8_fast:
+        pytest.skip("this CPU has no AVX512-VNNI: int8 caches are read as floats (the test above)")
+    gen = torch.Generator().manual_seed(len(lens) * 11 + sum(lens))
+    bs, num_blocks = 16, 128
+    nh, nkv, d = shape
+    k_cache = CODEC.encode(torch.randn(num_blocks * bs, nkv, d, generator=gen))
+    v_cache = CODEC.encode(torch.randn(num_blocks * bs, nkv, d, generator=gen) * 3)
+    qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen) * 4
+    tables = random_tables(gen, lens, num_blocks, bs)
+    got = ops.decode_attention(qkv, nh, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs)
+    expected = int16_reference(qkv[:, : nh * d].reshape(len(lens), nh, d), k_cache, v_cache, tables, lens, bs)
+    torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=1e-5, rtol=1e-5)
