@@ -198,7 +198,7 @@ class LlamaModel:
         layers compute.
         """
         if self.native is not None and self._fits_native(positions, cache, meta):
-            return self._decode_native(self.native, input_ids, positions, cache, meta, logits_indices, on_layer_done)
+            return self._forward_native(self.native, input_ids, positions, cache, meta, logits_indices, on_layer_done)
         cfg = self.config
         t = input_ids.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -228,21 +228,23 @@ class LlamaModel:
         return self._logits(h[logits_indices], self.per_row)
 
     def _fits_native(self, positions: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the C ops take as it is: decode rows only, an fp32 cache stored
-        as is or an int8 one, int64 indices laid out as the runner builds them, every position in
-        the RoPE table (the C side checks no bounds; anything else runs the torch ops, which do)."""
+        """Whether this step is one the C ops take as it is: an fp32 cache stored as is or an int8
+        one, int64 indices laid out as the runner builds them, every position in the RoPE table
+        (the C side checks no bounds; anything else runs the torch ops, which do)."""
+        if not ((cache.codec.passthrough and cache.dtype == self.dtype) or cache.codec.kind == "int8"):
+            return False
+        if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
+            return False
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        return (
-            not meta.prefills
-            and tables is not None
-            and lens is not None
-            and ((cache.codec.passthrough and cache.dtype == self.dtype) or cache.codec.kind == "int8")
-            and meta.decode_max_len <= self.config.max_position
-            and all(x.dtype == torch.int64 for x in (positions, meta.slot_mapping, tables, lens))
-            and tables.is_contiguous()
-        )
+        if _decode_only(meta) and tables is not None and lens is not None:
+            return (
+                meta.decode_max_len <= self.config.max_position
+                and tables.dtype == lens.dtype == torch.int64
+                and tables.is_contiguous()
+            )
+        return bool(positions.numel()) and int(positions.max()) < self.config.max_position
 
-    def _decode_native(
+    def _forward_native(
         self,
         native: NativeOps,
         input_ids: torch.Tensor,
@@ -252,27 +254,50 @@ class LlamaModel:
         logits_indices: torch.Tensor,
         on_layer_done: LayerCallback | None,
     ) -> torch.Tensor:
-        """`forward` of a batch of decode rows only, its small ops fused (engine/native.py): each
-        layer is the four matmuls and four C calls. Same cache writes; the same logits to fp32
-        rounding (RoPE bit for bit; norms, SiLU and attention sum in another order)."""
-        cfg, nh, eps = self.config, self.config.num_heads, self.config.rms_norm_eps
+        """`forward` with its small ops fused (engine/native.py): each layer is the four matmuls,
+        three C calls and attention. Same cache writes; the same logits to fp32 rounding (RoPE bit
+        for bit; norms, SiLU and attention sum in another order). A step of decode rows only also
+        attends in C and takes the per-row int8 kernel wherever it runs; one with prefills attends
+        through paged_attention, and its projections go as `self.per_row` says."""
+        cfg = self.config
+        nh, nkv, d, eps, qs, kvs = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.q_size,
+            cfg.kv_size,
+        )
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        assert tables is not None and lens is not None
+        decode_only = _decode_only(meta)
+        proj = native if decode_only else self.per_row
+        t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [T, hidden], a new tensor: updated in place below
         delta: torch.Tensor | None = None  # what the last layer adds to h
         for i, lw in enumerate(self.layers):
             x = native.rms_norm(h, lw.attn_norm, eps, delta)
-            qkv = _project(native, lw.qkv, x)
+            qkv = _project(proj, lw.qkv, x)
             k_cache, v_cache = cache.k_flat[i], cache.v_flat[i]
-            native.rope_write(qkv, nh, cfg.num_kv_heads, positions, self.cos, self.sin, meta.slot_mapping, k_cache,
-                              v_cache)  # fmt: skip
+            native.rope_write(qkv, nh, nkv, positions, self.cos, self.sin, meta.slot_mapping, k_cache, v_cache)
             if on_layer_done is not None:
                 on_layer_done(i)
-            a = native.decode_attention(qkv, nh, k_cache, v_cache, tables, lens, cache.block_size)
-            x = native.rms_norm(h, lw.mlp_norm, eps, _project(native, lw.o, a))
-            delta = _project(native, lw.down, native.silu_mul(_project(native, lw.gate_up, x)))
+            if decode_only:
+                assert tables is not None and lens is not None
+                a = native.decode_attention(qkv, nh, k_cache, v_cache, tables, lens, cache.block_size)
+            else:  # the chunk's own keys as the cache holds them (coded, decoded again), as cache.write gives
+                q = qkv[:, :qs].view(t, nh, d)
+                if cache.codec.passthrough:
+                    k, v = qkv[:, qs : qs + kvs].view(t, nkv, d), qkv[:, qs + kvs :].view(t, nkv, d)
+                else:
+                    k, v = (cache.codec.decode(c.index_select(0, meta.slot_mapping)) for c in (k_cache, v_cache))
+                a = paged_attention(
+                    q, k, v, k_cache, v_cache, meta, cache.block_size, cache.codec, self.prefill_attention
+                )
+                a = a.reshape(t, qs)
+            x = native.rms_norm(h, lw.mlp_norm, eps, _project(proj, lw.o, a))
+            delta = _project(proj, lw.down, native.silu_mul(_project(proj, lw.gate_up, x)))
         assert delta is not None
-        return self._logits((h + delta)[logits_indices], native)
+        return self._logits((h + delta)[logits_indices], proj)
 
     def _logits(self, h: torch.Tensor, native: NativeOps | None = None) -> torch.Tensor:
         """The final norm and the LM head over the rows to sample: [S, hidden] -> fp32 [S, vocab]."""
@@ -280,6 +305,11 @@ class LlamaModel:
         if self.lm_head is not None:
             return _project(native, self.lm_head, h).float()
         return F.linear(h, self._lm_head_weight).float()  # [S, vocab]
+
+
+def _decode_only(meta: AttentionMetadata) -> bool:
+    """A step of decode rows only, with their tables: the one whose attention runs in C."""
+    return not meta.prefills and meta.decode_block_tables is not None and meta.decode_seq_lens is not None
 
 
 def _project(native: NativeOps | None, p: Projection, x: torch.Tensor) -> torch.Tensor:

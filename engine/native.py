@@ -49,9 +49,9 @@ MAX_HEAD_DIM = 512  # rope_write's scratch row
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "rms_norm": (_P, _P, _P, _P, _I, _I, _F),
-    "silu_mul": (_P, _P, _I, _I),
-    "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I),
+    "rms_norm": (_P, _P, _P, _P, _I, _I, _F, _I),
+    "silu_mul": (_P, _P, _I, _I, _I),
+    "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I),
     "decode_attention": (_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
@@ -79,14 +79,14 @@ class NativeOps:
         out = torch.empty_like(x)
         rows, n = x.shape
         self._lib.rms_norm(x.data_ptr(), delta.data_ptr() if delta is not None else None, w.data_ptr(),
-                           out.data_ptr(), rows, n, eps)  # fmt: skip
+                           out.data_ptr(), rows, n, eps, torch.get_num_threads())  # fmt: skip
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gu = [gate | up], [rows, 2n] -> [rows, n]."""
         rows, n = gu.shape[0], gu.shape[1] // 2
         out = gu.new_empty(rows, n)
-        self._lib.silu_mul(gu.data_ptr(), out.data_ptr(), rows, n)
+        self._lib.silu_mul(gu.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
         return out
 
     def rope_write(
@@ -106,7 +106,8 @@ class NativeOps:
         head_dim = cos.shape[-1]
         self._lib.rope_write(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim,
                              positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
-                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.int8)  # fmt: skip
+                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.int8,
+                             torch.get_num_threads())  # fmt: skip
 
     def decode_attention(
         self,

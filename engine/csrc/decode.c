@@ -1,8 +1,8 @@
 /* The small ops of a decode step, fused: what costs a step most on the CPU is not the
  * arithmetic of these but the ~40 torch dispatches a layer they take (see engine/native.py).
  *
- * fp32 activations, plain loops that gcc vectorizes (-O3 -march=native); attention
- * (attention.c) runs on OpenMP threads, these on the caller's (decode rows are few). Built
+ * fp32 activations, plain loops that gcc vectorizes (-O3 -march=native), a row per thread where
+ * there are many (a prefill's; engine/model.py runs prefills through these too). Built
  * with -ffp-contract=off, so a*b + c rounds twice as torch's separate ops do: RoPE and the
  * int8 KV codes are bit-identical to torch's; RMSNorm, SiLU and attention differ in the last
  * bits (their sums and exp run in another order and another polynomial, attention's with
@@ -16,9 +16,15 @@
  */
 #include "common.h"
 
+/* Rows from which the ops below split them over `threads` OpenMP threads (a prefill's hundreds);
+ * a decode step's few stay on the caller's thread, where a parallel region would cost more. */
+#define PARALLEL_ROWS 32
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, each of `rows` rows `n` wide. With `delta`, x
  * first becomes x + delta, in place (the residual add before the norm). */
-void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t n, float eps,
+              int64_t threads) {
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * n;
         if (delta) {
@@ -32,7 +38,8 @@ void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t 
 }
 
 /* out[r] = silu(gu[r, :n]) * gu[r, n:], gu [rows, 2n]. */
-void silu_mul(const float *gu, float *out, int64_t rows, int64_t n) {
+void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int64_t threads) {
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * n, *u = g + n;
         float *o = out + r * n;
@@ -58,10 +65,11 @@ static void code_int8(const float *x, int64_t kv_heads, int64_t head_dim, int8_t
  * rotate_half's sign (-sin on the first half). */
 void rope_write(float *qkv, int64_t rows, int64_t qkv_stride, int64_t heads, int64_t kv_heads, int64_t head_dim,
                 const int64_t *positions, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                void *v_cache, int64_t kv_int8) {
+                void *v_cache, int64_t kv_int8, int64_t threads) {
     int64_t half = head_dim / 2, kv_width = kv_heads * head_dim, coded_width = kv_heads * (head_dim + 4);
-    float tmp[512];
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+        float tmp[512];
         float *row = qkv + r * qkv_stride;
         const float *c = cos + positions[r] * head_dim, *s = sin + positions[r] * head_dim;
         for (int64_t h = 0; h < heads + kv_heads; h++) {
