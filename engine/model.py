@@ -2,9 +2,9 @@
 
 Plain tensors, no nn.Module: the forward is a straight line of torch ops, so the
 per-token Python cost is one call per op. Q/K/V and gate/up are fused into one matmul each.
-A step of decode rows only, in fp32 on the CPU, runs its small ops and its attention as C
-calls instead (engine/native.py): there, dispatch was most of the step. Its int8 matmuls then
-quantize activations per row (engine/csrc/linear_i8.c), so a decode row's logits do not depend
+In fp32 on the CPU every step runs its small ops as C calls instead, and a step of decode
+rows only its attention too (engine/native.py): there, dispatch was most of the step. Its int8
+matmuls quantize activations per row (engine/csrc/linear_i8.c), so a decode row's logits do not depend
 on the rows beside it; where that kernel is fast (AVX512-VNNI), the other steps' do too: fbgemm
 quantizes a whole prefill with one scale (7 bits of it), and its greedy first token matched fp32's
 on 12 of 40 chat prompts, against 30 of 40 per row.
@@ -260,14 +260,8 @@ class LlamaModel:
         attends in C and takes the per-row int8 kernel wherever it runs; one with prefills attends
         through paged_attention, and its projections go as `self.per_row` says."""
         cfg = self.config
-        nh, nkv, d, eps, qs, kvs = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-            cfg.q_size,
-            cfg.kv_size,
-        )
+        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        qs, kvs = cfg.q_size, cfg.kv_size
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         decode_only = _decode_only(meta)
         proj = native if decode_only else self.per_row
