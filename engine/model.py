@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -236,13 +236,15 @@ class LlamaModel:
         if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             return False
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        if _decode_only(meta) and tables is not None and lens is not None:
-            return (
-                meta.decode_max_len <= self.config.max_position
-                and tables.dtype == lens.dtype == torch.int64
-                and tables.is_contiguous()
-            )
-        return bool(positions.numel()) and int(positions.max()) < self.config.max_position
+        if meta.num_decodes and not (
+            tables is not None
+            and lens is not None
+            and meta.decode_max_len <= self.config.max_position
+            and tables.dtype == lens.dtype == torch.int64
+            and tables.is_contiguous()
+        ):
+            return False
+        return not meta.prefills or int(positions.max()) < self.config.max_position
 
     def _forward_native(
         self,
@@ -256,14 +258,16 @@ class LlamaModel:
     ) -> torch.Tensor:
         """`forward` with its small ops fused (engine/native.py): each layer is the four matmuls,
         three C calls and attention. Same cache writes; the same logits to fp32 rounding (RoPE bit
-        for bit; norms, SiLU and attention sum in another order). A step of decode rows only also
-        attends in C and takes the per-row int8 kernel wherever it runs; one with prefills attends
-        through paged_attention, and its projections go as `self.per_row` says."""
+        for bit; norms, SiLU and attention sum in another order). Decode rows attend in C; a
+        step's prefill chunks through paged_attention. A step of decode rows only takes the per-row
+        int8 kernel wherever it runs, one with prefills as `self.per_row` says: where that is the
+        same kernel (AVX512-VNNI), a decode row computes the same bits in either step, so its
+        tokens do not depend on what else the step carries (nor on speculation's extra rows)."""
         cfg = self.config
         nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         qs, kvs = cfg.q_size, cfg.kv_size
-        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        decode_only = _decode_only(meta)
+        tables, lens, nd = meta.decode_block_tables, meta.decode_seq_lens, meta.num_decodes
+        decode_only = not meta.prefills
         proj = native if decode_only else self.per_row
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # [T, hidden], a new tensor: updated in place below
@@ -275,35 +279,43 @@ class LlamaModel:
             native.rope_write(qkv, nh, nkv, positions, self.cos, self.sin, meta.slot_mapping, k_cache, v_cache)
             if on_layer_done is not None:
                 on_layer_done(i)
-            if decode_only:
+            decoded = None
+            if nd:
                 assert tables is not None and lens is not None
-                a = native.decode_attention(qkv, nh, k_cache, v_cache, tables, lens, cache.block_size)
-            else:  # the chunk's own keys as the cache holds them (coded, decoded again), as cache.write gives
+                decoded = native.decode_attention(qkv[:nd], nh, k_cache, v_cache, tables, lens, cache.block_size)
+            if decode_only:
+                assert decoded is not None
+                a = decoded
+            else:  # the chunks' own keys as the cache holds them (coded, decoded again), as cache.write gives
                 q = qkv[:, :qs].view(t, nh, d)
                 if cache.codec.passthrough:
                     k, v = qkv[:, qs : qs + kvs].view(t, nkv, d), qkv[:, qs + kvs :].view(t, nkv, d)
                 else:
                     k, v = (cache.codec.decode(c.index_select(0, meta.slot_mapping)) for c in (k_cache, v_cache))
+                chunks = replace(meta, num_decodes=0)  # the decode rows' attention is `decoded`
                 a = paged_attention(
-                    q, k, v, k_cache, v_cache, meta, cache.block_size, cache.codec, self.prefill_attention
+                    q, k, v, k_cache, v_cache, chunks, cache.block_size, cache.codec, self.prefill_attention
                 )
                 a = a.reshape(t, qs)
+                if decoded is not None:
+                    a[:nd] = decoded
             x = native.rms_norm(h, lw.mlp_norm, eps, _project(proj, lw.o, a))
             delta = _project(proj, lw.down, native.silu_mul(_project(proj, lw.gate_up, x)))
         assert delta is not None
-        return self._logits((h + delta)[logits_indices], proj)
+        return self._logits((h + delta)[logits_indices], proj, native)
 
-    def _logits(self, h: torch.Tensor, native: NativeOps | None = None) -> torch.Tensor:
-        """The final norm and the LM head over the rows to sample: [S, hidden] -> fp32 [S, vocab]."""
-        h = self._rms_norm(h, self.norm)
+    def _logits(self, h: torch.Tensor, native: NativeOps | None = None, fused: NativeOps | None = None) -> torch.Tensor:
+        """The final norm and the LM head over the rows to sample: [S, hidden] -> fp32 [S, vocab].
+        The norm in C where `fused` is given (a row's bits then do not depend on S; torch's differ
+        in the last one)."""
+        h = (
+            fused.rms_norm(h, self.norm, self.config.rms_norm_eps)
+            if fused is not None
+            else self._rms_norm(h, self.norm)
+        )
         if self.lm_head is not None:
             return _project(native, self.lm_head, h).float()
         return F.linear(h, self._lm_head_weight).float()  # [S, vocab]
-
-
-def _decode_only(meta: AttentionMetadata) -> bool:
-    """A step of decode rows only, with their tables: the one whose attention runs in C."""
-    return not meta.prefills and meta.decode_block_tables is not None and meta.decode_seq_lens is not None
 
 
 def _project(native: NativeOps | None, p: Projection, x: torch.Tensor) -> torch.Tensor:

@@ -216,6 +216,37 @@ def test_an_int8_prompt_prefills_alike_alone_and_beside_others(ops: native.Nativ
     ]
 
 
+def test_an_int8_decode_row_computes_alike_in_a_step_with_prefills(ops: native.NativeOps) -> None:
+    """A decode row that shares its step with prefill chunks attends in C as in a decode-only
+    step, and (where VNNI runs the per-row kernel for both) projects alike: its tokens and
+    logprobs are the same bits as when it decodes alone, so served speculation and batching do
+    not move a stream's text."""
+    if not ops.linear_i8_fast:
+        pytest.skip("no AVX512-VNNI: steps with prefills project through fbgemm")
+    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
+    stream, params = (
+        list(range(5, 30)),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True, logprobs=2),
+    )
+    alone = make_engine(model, num_blocks=128, max_prefill_chunk=8).generate([stream], params)[0]
+    engine = make_engine(model, num_blocks=128, max_prefill_chunk=8)  # the stream's prompt chunked alike
+    engine.add_request("stream", stream, params)
+    tokens, logprobs, mixed = [], [], 0
+    for i in range(200):
+        if i in (3, 9):  # prompts arrive while the stream decodes: chunked, they share its steps
+            engine.add_request(f"other{i}", [(j * 13 + i) % 120 + 1 for j in range(40)], params)
+        if not engine.has_unfinished():
+            break
+        mixed += bool(engine.scheduler.requests.get("stream")) and i > 3
+        for o in engine.step():
+            if o.request_id == "stream":
+                tokens += o.new_token_ids
+                logprobs += [(x.token_id, x.logprob) for x in o.logprobs if x]
+        engine.check_integrity()
+    assert mixed and tokens == alone.token_ids
+    assert logprobs == [(x.token_id, x.logprob) for x in alone.logprobs if x]
+
+
 def test_the_build_is_cached(tmp_path: Path) -> None:
     if not HAS_CC:
         pytest.skip("no C compiler")
