@@ -6,6 +6,9 @@
     batch16    16 requests at once: total output tok/s, off and on; the ratio
     acceptance draft tokens accepted / verified; mean accepted length = accepted / drafts;
                batch16_draft_tokens: draft tokens verified in the batch runs (0: it never drafted)
+    staggered  (--staggered GAP_S) 16 prompts, 4 of each workload interleaved, arriving GAP_S
+               apart, so steps mix prefills with decodes as a served worker's do: total tok/s,
+               mean request latency, and how many requests' greedy tokens are the same on and off
 
 Each figure is the best of `--repeats` rounds (2), off and on alternating which runs first.
 
@@ -104,6 +107,64 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Tim
     return Timing(n, decode, time.perf_counter() - t0)
 
 
+def run_staggered(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, gap_s: float
+) -> tuple[Timing, float, list[list[int]]]:
+    """Prompt i arrives i * gap_s after the first, while the ones before decode, so steps mix
+    prefill chunks with decode rows (and drafts), as a served worker's do. Returns the timing
+    (wall: first arrival to last token), the mean time from a request's arrival to its last
+    token, and each request's tokens."""
+    t0 = time.perf_counter()
+    pending, ids = list(enumerate(prompts)), {}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    done_s = [0.0] * len(prompts)
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] * gap_s <= now:
+            i, p = pending.pop(0)
+            ids[f"s{i}-{t0}"] = i
+            engine.add_request(f"s{i}-{t0}", p, params)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][0] * gap_s - now))
+            continue
+        for o in engine.step():
+            if o.request_id in ids:
+                i = ids[o.request_id]
+                tokens[i] += o.new_token_ids
+                done_s[i] = time.perf_counter() - t0 - i * gap_s
+    wall = time.perf_counter() - t0
+    return Timing(sum(map(len, tokens)), 0.0, wall), sum(done_s) / len(prompts), tokens
+
+
+def measure_staggered(
+    engines: dict[str, Engine], prompts: list[list[int]], max_tokens: int, gap_s: float, repeats: int = 2
+) -> dict[str, Any]:
+    """Off against on over `run_staggered`, rounds alternating which goes first, each figure the
+    best of its rounds; `identical`: requests whose greedy tokens were the same both ways in
+    every round (speculation is exact where a row's bits do not depend on its step's others)."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    best = {mode: {"tok_s": 0.0, "latency_s": float("inf")} for mode in engines}
+    identical = [True] * len(prompts)
+    s = engines["on"].speculator
+    for r in range(repeats):
+        if s is not None and s.tree is not None:
+            s.tree.clear()
+        out: dict[str, list[list[int]]] = {}
+        for mode in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            timing, latency, out[mode] = run_staggered(engines[mode], prompts, greedy, gap_s)
+            best[mode]["tok_s"] = max(best[mode]["tok_s"], timing.tokens / timing.wall_s)
+            best[mode]["latency_s"] = min(best[mode]["latency_s"], latency)
+        identical = [x and a == b for x, a, b in zip(identical, out["on"], out["off"], strict=True)]
+    return {
+        "gap_s": gap_s,
+        "speedup": best["on"]["tok_s"] / best["off"]["tok_s"],
+        "latency_ratio": best["on"]["latency_s"] / best["off"]["latency_s"],
+        "identical": sum(identical),
+        "requests": len(prompts),
+        **{f"{mode}_{k}": v for mode, figs in best.items() for k, v in figs.items()},
+    }
+
+
 def chat_prompts(engine: Engine, msgs: list[str]) -> list[list[int]]:
     tok = engine.tokenizer
     assert tok is not None
@@ -166,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     ap.add_argument("--drafter", default="suffix", choices=["ngram", "suffix"])
     ap.add_argument("--draft-len", type=int, default=EngineConfig.num_speculative_tokens, help="most draft tokens")
+    ap.add_argument(
+        "--staggered",
+        type=float,
+        default=0.0,
+        metavar="GAP_S",
+        help="also run 16 prompts of all workloads arriving GAP_S apart (steps mixing prefills and decodes)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     config = EngineConfig(dtype=args.dtype, num_threads=args.threads, num_blocks=2048)
@@ -179,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"dtype": config.weight_dtype, "threads": args.threads, "drafter": args.drafter}
     for name in chosen:
         res[name] = measure(engines, chat_prompts(base, workloads()[name]), args.max_tokens, args.single, args.repeats)
+    if args.staggered > 0:
+        mixed = [p for group in zip(*(workloads()[n][:4] for n in workloads()), strict=True) for p in group]
+        res["staggered"] = measure_staggered(
+            engines, chat_prompts(base, mixed), args.max_tokens // 2, args.staggered, args.repeats
+        )
     if args.json:
         print(json.dumps(res))
         return 0
@@ -192,4 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<11}{r['off_single_tok_s']:>11.1f}{r['on_single_tok_s']:>8.1f}{r['single_speedup']:>6.2f}x"
               f"{r['off_batch16_tok_s']:>13.1f}{r['on_batch16_tok_s']:>8.1f}{r['batch16_speedup']:>6.2f}x"
               f"{acc:>8}{mlen:>9}{r['batch16_draft_tokens']:>12}")  # fmt: skip
+    if "staggered" in res:
+        st = res["staggered"]
+        print(f"staggered, {st['requests']} requests {st['gap_s']} s apart: {st['off_tok_s']:.1f} -> "
+              f"{st['on_tok_s']:.1f} tok/s ({st['speedup']:.2f}x), mean request latency {st['off_latency_s']:.2f} -> "
+              f"{st['on_latency_s']:.2f} s ({st['latency_ratio']:.2f}x), greedy tokens identical on and off for "
+              f"{st['identical']} of {st['requests']}")  # fmt: skip
     return 0
