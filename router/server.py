@@ -103,10 +103,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--speculative",
-        default=env("TANDEM_SPECULATIVE", "off"),
+        default=env("TANDEM_SPECULATIVE", "suffix"),
         choices=["off", "ngram", "suffix"],
-        help="decode and colocated workers verify drafts each step: ngram = prompt lookup, suffix = that and "
-        "the worker's recent outputs (exact in fp32; off by default)",
+        help="decode and colocated workers verify drafts each step, as many as pay at the step's load: ngram = "
+        "prompt lookup, suffix (default) = that and the worker's recent outputs; the same tokens as off where a "
+        "row's result does not depend on its step (fp32; int8 with AVX512-VNNI)",
     )
     ap.add_argument(
         "--write-back",

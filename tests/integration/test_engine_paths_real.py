@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.outputs import RequestOutput
@@ -107,3 +109,36 @@ def test_speculation_gives_the_tokens_of_no_speculation(engine_fp32: Engine) -> 
         spec.check_integrity()
     assert off[0].finish_reason == "stop" and off[0].text.endswith("and watched the ")
     assert spec.speculator is not None and spec.speculator.accepted > 20
+
+
+def test_int8_speculation_with_arrivals_gives_the_tokens_of_none(model_path: str) -> None:
+    """int8 (what `auto` is here) and suffix speculation, as `tandem serve` runs by default, with
+    prompts arriving while others decode, so steps mix prefill chunks, decode rows and drafts:
+    every request's greedy tokens are those of speculation off (a row's bits do not depend on
+    its step where the per-row int8 kernel runs; without AVX512-VNNI prefills go through fbgemm)."""
+    from engine.native import ops
+
+    native = ops()
+    if native is None or not native.linear_i8_fast:
+        pytest.skip("no AVX512-VNNI per-row int8 kernel: steps with prefills quantize per tensor")
+    off = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=512, max_prefill_chunk=32))
+    on = Engine(off.model, off.tokenizer, EngineConfig(dtype="int8", num_blocks=512, max_prefill_chunk=32,
+                                                       speculative="suffix"))  # fmt: skip
+    prompts = chats(off) * 2
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    results = {}
+    for name, engine in (("off", off), ("on", on)):
+        tokens: dict[str, list[int]] = {}
+        pending, step = list(enumerate(prompts)), 0
+        while pending or engine.has_unfinished():
+            if pending and step % 4 == 0:  # a new prompt every 4 steps
+                i, p = pending.pop(0)
+                tokens[f"r{i}"] = []
+                engine.add_request(f"r{i}", p, params)
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+            step += 1
+        engine.check_integrity()
+        results[name] = tokens
+    assert results["on"] == results["off"]
+    assert on.speculator is not None and on.speculator.accepted > 0
