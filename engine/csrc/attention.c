@@ -16,6 +16,16 @@
  * does) so that one row still keeps every thread busy; merged after. */
 #define SEGMENT 256
 #include "attention_int8.h"
+
+/* CALL(NH) with NH the constant 1-4 that `n` heads (>= 1) ask for, 4 where more: the kernels
+ * take the heads of a GQA group 4 at a time, each variant with its sums in registers. */
+#define BY_HEADS(n, CALL)        \
+    switch (n) {                 \
+    case 1: CALL(1); break;      \
+    case 2: CALL(2); break;      \
+    case 3: CALL(3); break;      \
+    default: CALL(4); break;     \
+    }
 #define MAX_HEAD_DIM 512 /* engine/native.py's too */
 
 #ifdef __AVX512F__
@@ -125,12 +135,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
             if (int8_path) {
                 for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
 #define IS(NH) int8_scores(q + h * head_dim, NH, (const int8_t *)kg, off, kscale, n, head_dim, scores + h * SEGMENT, SEGMENT)
-                    switch ((g + 1) * group - h) {
-                    case 1: IS(1); break;
-                    case 2: IS(2); break;
-                    case 3: IS(3); break;
-                    default: IS(4); break;
-                    }
+                    BY_HEADS((g + 1) * group - h, IS);
 #undef IS
                 }
                 continue;
@@ -172,12 +177,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
             if (int8_path) {
                 for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
 #define IV(NH) int8_values(scores + h * SEGMENT, NH, vscale, vrow - head_dim, off, n, o + h * head_dim, head_dim)
-                    switch ((g + 1) * group - h) {
-                    case 1: IV(1); break;
-                    case 2: IV(2); break;
-                    case 3: IV(3); break;
-                    default: IV(4); break;
-                    }
+                    BY_HEADS((g + 1) * group - h, IV);
 #undef IV
                 }
                 continue;
@@ -193,12 +193,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
 /* constants for pv_tile's coded and nh, so that each variant keeps its sums in registers */
 #define PV(NH) (coded ? pv_tile(sh, vg, off, vscale, 1, n, NH, oh, head_dim) \
                       : pv_tile(sh, vg, off, NULL, 0, n, NH, oh, head_dim))
-                    switch (nh) {
-                    case 1: PV(1); break;
-                    case 2: PV(2); break;
-                    case 3: PV(3); break;
-                    default: PV(4); break;
-                    }
+                    BY_HEADS(nh, PV);
 #undef PV
                 }
         }
