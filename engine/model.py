@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine import fused_forward
 from engine.attention import AttentionMetadata, PrefillAttention, paged_attention
 from engine.config import ModelConfig
+from engine.fused_forward import project
 from engine.linear import Projection
 from engine.native import MAX_HEAD_DIM, NativeOps, ops
 from engine.paged_cache import PagedKVCache
@@ -197,8 +199,10 @@ class LlamaModel:
         called right after layer i's KV is written, so a sender can ship it while the next
         layers compute.
         """
-        if self.native is not None and self._fits_native(positions, cache, meta):
-            return self._forward_native(self.native, input_ids, positions, cache, meta, logits_indices, on_layer_done)
+        if self.native is not None and fused_forward.fits(self, positions, cache, meta):
+            return fused_forward.forward(
+                self, self.native, input_ids, positions, cache, meta, logits_indices, on_layer_done
+            )
         cfg = self.config
         t = input_ids.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -209,7 +213,7 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         for i, lw in enumerate(self.layers):
             x = self._rms_norm(h, lw.attn_norm)
-            qkv = _project(self.per_row, lw.qkv, x)  # [T, q_size + 2 * kv_size]
+            qkv = project(self.per_row, lw.qkv, x)  # [T, q_size + 2 * kv_size]
             qk = qkv[:, : qs + kvs].view(t, nh + nkv, d)
             qk = self._rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]  # [T, H, D], [T, KVH, D]
@@ -220,91 +224,14 @@ class LlamaModel:
             a = paged_attention(
                 q, k, v, cache.k_flat[i], cache.v_flat[i], meta, cache.block_size, cache.codec, self.prefill_attention
             )
-            h = h + _project(self.per_row, lw.o, a.view(t, qs))
+            h = h + project(self.per_row, lw.o, a.view(t, qs))
             x = self._rms_norm(h, lw.mlp_norm)
-            gu = _project(self.per_row, lw.gate_up, x)  # [T, 2 * intermediate]
+            gu = project(self.per_row, lw.gate_up, x)  # [T, 2 * intermediate]
             g, u = gu.chunk(2, dim=-1)
-            h = h + _project(self.per_row, lw.down, F.silu(g) * u)
-        return self._logits(h[logits_indices], self.per_row)
+            h = h + project(self.per_row, lw.down, F.silu(g) * u)
+        return self.logits(h[logits_indices], self.per_row)
 
-    def _fits_native(self, positions: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the C ops take as it is: an fp32 cache stored as is or an int8
-        one, int64 indices laid out as the runner builds them, every position in the RoPE table
-        (the C side checks no bounds; anything else runs the torch ops, which do)."""
-        if not ((cache.codec.passthrough and cache.dtype == self.dtype) or cache.codec.kind == "int8"):
-            return False
-        if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
-            return False
-        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        if meta.num_decodes and not (
-            tables is not None
-            and lens is not None
-            and meta.decode_max_len <= self.config.max_position
-            and tables.dtype == lens.dtype == torch.int64
-            and tables.is_contiguous()
-        ):
-            return False
-        return not meta.prefills or int(positions.max()) < self.config.max_position
-
-    def _forward_native(
-        self,
-        native: NativeOps,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: PagedKVCache,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        on_layer_done: LayerCallback | None,
-    ) -> torch.Tensor:
-        """`forward` with its small ops fused (engine/native.py): each layer is the four matmuls,
-        three C calls and attention. Same cache writes; the same logits to fp32 rounding (RoPE bit
-        for bit; norms, SiLU and attention sum in another order). Decode rows attend in C; a
-        step's prefill chunks through paged_attention. A step of decode rows only takes the per-row
-        int8 kernel wherever it runs, one with prefills as `self.per_row` says: where that is the
-        same kernel (AVX512-VNNI), a decode row computes the same bits in either step, so its
-        tokens do not depend on what else the step carries (nor on speculation's extra rows)."""
-        cfg = self.config
-        nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        qs, kvs = cfg.q_size, cfg.kv_size
-        tables, lens, nd = meta.decode_block_tables, meta.decode_seq_lens, meta.num_decodes
-        decode_only = not meta.prefills
-        proj = native if decode_only else self.per_row
-        t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)  # [T, hidden], a new tensor: updated in place below
-        delta: torch.Tensor | None = None  # what the last layer adds to h
-        for i, lw in enumerate(self.layers):
-            x = native.rms_norm(h, lw.attn_norm, eps, delta)
-            qkv = _project(proj, lw.qkv, x)
-            k_cache, v_cache = cache.k_flat[i], cache.v_flat[i]
-            native.rope_write(qkv, nh, nkv, positions, self.cos, self.sin, meta.slot_mapping, k_cache, v_cache)
-            if on_layer_done is not None:
-                on_layer_done(i)
-            decoded = None
-            if nd:
-                assert tables is not None and lens is not None
-                decoded = native.decode_attention(qkv[:nd], nh, k_cache, v_cache, tables, lens, cache.block_size)
-            if decode_only:
-                assert decoded is not None
-                a = decoded
-            else:  # the chunks' own keys as the cache holds them (coded, decoded again), as cache.write gives
-                q = qkv[:, :qs].view(t, nh, d)
-                if cache.codec.passthrough:
-                    k, v = qkv[:, qs : qs + kvs].view(t, nkv, d), qkv[:, qs + kvs :].view(t, nkv, d)
-                else:
-                    k, v = (cache.codec.decode(c.index_select(0, meta.slot_mapping)) for c in (k_cache, v_cache))
-                chunks = replace(meta, num_decodes=0)  # the decode rows' attention is `decoded`
-                a = paged_attention(
-                    q, k, v, k_cache, v_cache, chunks, cache.block_size, cache.codec, self.prefill_attention
-                )
-                a = a.reshape(t, qs)
-                if decoded is not None:
-                    a[:nd] = decoded
-            x = native.rms_norm(h, lw.mlp_norm, eps, _project(proj, lw.o, a))
-            delta = _project(proj, lw.down, native.silu_mul(_project(proj, lw.gate_up, x)))
-        assert delta is not None
-        return self._logits((h + delta)[logits_indices], proj, native)
-
-    def _logits(self, h: torch.Tensor, native: NativeOps | None = None, fused: NativeOps | None = None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, native: NativeOps | None = None, fused: NativeOps | None = None) -> torch.Tensor:
         """The final norm and the LM head over the rows to sample: [S, hidden] -> fp32 [S, vocab].
         The norm in C where `fused` is given (a row's bits then do not depend on S; torch's differ
         in the last one)."""
@@ -314,10 +241,5 @@ class LlamaModel:
             else self._rms_norm(h, self.norm)
         )
         if self.lm_head is not None:
-            return _project(native, self.lm_head, h).float()
+            return project(native, self.lm_head, h).float()
         return F.linear(h, self._lm_head_weight).float()  # [S, vocab]
-
-
-def _project(native: NativeOps | None, p: Projection, x: torch.Tensor) -> torch.Tensor:
-    """p(x), through the per-row int8 kernel of `native` where p has its copy (x contiguous fp32)."""
-    return native.linear_i8(x, p.rows) if native is not None and p.rows is not None else p(x)
