@@ -37,6 +37,21 @@ def test_rope_write_codes_the_kv_as_the_codec_does(ops: native.NativeOps) -> Non
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
+BS = 16
+
+
+def coded_case(
+    lens: list[int], shape: tuple[int, int, int], seed: int, q_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """qkv rows, int8 caches of 128 blocks (values 3x the keys' spread) and scattered tables."""
+    gen = torch.Generator().manual_seed(seed)
+    nh, nkv, d = shape
+    k_cache = CODEC.encode(torch.randn(128 * BS, nkv, d, generator=gen))
+    v_cache = CODEC.encode(torch.randn(128 * BS, nkv, d, generator=gen) * 3)
+    qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen) * q_scale
+    return qkv, k_cache, v_cache, random_tables(gen, lens, 128, BS)
+
+
 @pytest.mark.parametrize("lens", [[1], [5, 16, 17], [300, 7, 129, 64], [1537, 512, 513]])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (4, 2, 16)])
 def test_attention_over_int8_codes_is_attention_over_their_values(
@@ -44,13 +59,8 @@ def test_attention_over_int8_codes_is_attention_over_their_values(
     lens: list[int],
     shape: tuple[int, int, int],
 ) -> None:
-    gen = torch.Generator().manual_seed(len(lens) * 7 + sum(lens))
-    bs, num_blocks = 16, 128
-    nh, nkv, d = shape
-    k_cache = CODEC.encode(torch.randn(num_blocks * bs, nkv, d, generator=gen))
-    v_cache = CODEC.encode(torch.randn(num_blocks * bs, nkv, d, generator=gen) * 3)
-    qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)
-    tables = random_tables(gen, lens, num_blocks, bs)
+    nh, d, bs = shape[0], shape[2], BS
+    qkv, k_cache, v_cache, tables = coded_case(lens, shape, len(lens) * 7 + sum(lens))
     got = ops.decode_attention(qkv, nh, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs)
     q = qkv[:, : nh * d].reshape(len(lens), nh, d)
     expected = dense_reference(q, CODEC.decode(k_cache), CODEC.decode(v_cache), tables, lens, bs)
@@ -112,13 +122,8 @@ def test_the_integer_kernel_rounds_only_the_query_and_the_weights(
 ) -> None:
     if not ops.decode_attention_int8_fast:
         pytest.skip("this CPU has no AVX512-VNNI: int8 caches are read as floats (the test above)")
-    gen = torch.Generator().manual_seed(len(lens) * 11 + sum(lens))
-    bs, num_blocks = 16, 128
-    nh, nkv, d = shape
-    k_cache = CODEC.encode(torch.randn(num_blocks * bs, nkv, d, generator=gen))
-    v_cache = CODEC.encode(torch.randn(num_blocks * bs, nkv, d, generator=gen) * 3)
-    qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen) * 4
-    tables = random_tables(gen, lens, num_blocks, bs)
+    nh, d, bs = shape[0], shape[2], BS
+    qkv, k_cache, v_cache, tables = coded_case(lens, shape, len(lens) * 11 + sum(lens), q_scale=4)
     got = ops.decode_attention(qkv, nh, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs)
     expected = int16_reference(qkv[:, : nh * d].reshape(len(lens), nh, d), k_cache, v_cache, tables, lens, bs)
     torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=1e-5, rtol=1e-5)
