@@ -137,3 +137,48 @@ def test_view_keeps_the_last_known_state_when_a_source_fails() -> None:
     third = v.refresh()
     assert set(third.live()) == {"d1"} and third.state_ok and seen == [first, second]  # no reconcile on stale handles
     assert v.current() is third
+
+
+def test_view_reads_the_pool_manager_only_when_the_registry_moves() -> None:
+    registry: dict[str, dict[str, object]] = {"d1": {"role": "decode"}, "p1": {"role": "prefill"}}
+    handles: dict[str, object] = {"d1": object(), "p1": object()}
+    reads, seen = [], []
+    broken = {"manager": False}
+
+    def read_handles() -> dict[str, object]:
+        reads.append(1)
+        if broken["manager"]:
+            raise TimeoutError("the pool manager is slow")
+        return dict(handles)
+
+    v = ViewRefresher(lambda: {w: dict(i) for w, i in registry.items()}, read_handles, on_refresh=seen.append,
+                      full_s=3600.0)  # fmt: skip
+
+    def background() -> int:
+        """One refresh of the background loop; the pool manager reads so far."""
+        v.refresh(force=False)
+        return len(reads)
+
+    v.refresh()
+    assert [background() for _ in range(3)] == [1, 1, 1] and len(seen) == 1  # nothing moved: no call
+    registry["d2"] = {"role": "decode"}  # a new worker registered; the manager has not promoted it yet
+    assert [background(), background()] == [2, 3] and "d2" not in v.current().live()
+    handles["d2"] = object()
+    assert [background(), background()] == [4, 4] and set(v.current().live()) == {"d1", "d2", "p1"}
+    registry["d1"]["draining"] = True  # its heartbeat says it drains: the manager has taken it out
+    del handles["d1"]
+    assert [background(), background()] == [5, 5] and set(v.current().live()) == {"d2", "p1"}
+    del registry["p1"]  # removed (deregistered) by the manager
+    del handles["p1"]
+    assert [background(), background()] == [6, 6] and set(v.current().live()) == {"d2"}
+    assert len(seen) == len(reads) == 6  # the ledger reconciles after each read, and only then
+    broken["manager"] = True
+    registry["p2"] = {"role": "prefill"}
+    assert background() == 7 and "p2" not in v.current().live()
+    broken["manager"] = False
+    handles["p2"] = object()
+    assert background() == 8 and set(v.current().live()) == {"d2", "p2"}  # a failed read is due again
+    v.full_s = 0.0
+    assert [background(), background()] == [9, 10]  # and every full_s whatever the registry says
+    v.refresh()
+    assert len(reads) == 11  # an explicit refresh always reads
