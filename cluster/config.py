@@ -46,6 +46,10 @@ def ray_env() -> None:
     """What Ray needs set on this machine before it starts (or joins)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # A Ray started here prestarts no idle Python worker for this driver: every actor gets a
+    # process of its own (the workers' runtime env differs), so it sat idle at ~1% of a core,
+    # on the cores the engine uses. Startup is no slower (measured: ready in 11.3 s vs 12.0 s).
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 def role_config(base: EngineConfig, role: Role) -> EngineConfig:
