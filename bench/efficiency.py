@@ -5,7 +5,9 @@
 
 The engine baseline runs in this process: the same prompts in waves of C through the engine's
 own loop (Engine.generate's add_request + step, each step timed), with the workers' dtype,
-threads, KV size and batch limit; once before the clusters and once after, the faster run kept.
+threads, KV size and batch limit; right before and right after its system's cluster, the faster
+run kept. (The two runs were once minutes apart, before and after both clusters: this machine's
+speed drifts 10-20% over minutes, and the faster of two far-apart runs measured the drift.)
 It is freed while a cluster runs, so nothing shares the cores. Each system is a real cluster
 behind the real router, loaded closed-loop at C:
 
@@ -199,11 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(default_model_path())
     waves = {c: prompts(request_count(c, args.quick), args.seed, salt=c) for c in CONCURRENCIES}
     progress = not args.no_progress
-    before = {n: run_engine(model, cfg, n, waves, progress) for n, cfg in configs.items()}
-    served = {mode: run_mode(mode, model, configs[threads[mode]], waves, progress) for mode in MODES}
-    after = {n: run_engine(model, cfg, n, waves, progress)[0] for n, cfg in configs.items()}
-    engine = {m: best_of(before[n][0], after[n]) for m, n in threads.items()}
-    res = report(engine, served, {m: before[n][1] for m, n in threads.items()}, args.quick, time.monotonic() - t0)
+    engine, meta, served = {}, {}, {}
+    for mode, n in threads.items():  # each system between two runs of its baseline
+        before, meta[mode] = run_engine(model, configs[n], n, waves, progress)
+        served[mode] = run_mode(mode, model, configs[n], waves, progress)
+        engine[mode] = best_of(before, run_engine(model, configs[n], n, waves, progress)[0])
+    res = report(engine, served, meta, args.quick, time.monotonic() - t0)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ DEFINITIONS = {
     "served_output_tok_s": "output tokens of completed requests / (first send to last answer), closed loop at C",
     "engine_output_tok_s": "output tokens / wall time of the same prompts through the engine's step loop "
     "(Engine.generate's add_request + step) in waves of C, in the benchmark's process; the faster of two "
-    "runs, one before the clusters and one after (runs_output_tok_s)",
+    "runs, one right before the system's cluster and one right after it (runs_output_tok_s)",
     "tpot_over_step": "client TPOT p50, (E2E - TTFT) / (output tokens - 1), over the engine's step p50 at batch C",
     "engine_step_s": "wall time of engine.step() in the steps where all C requests of a wave decode (none prefills)",
     "threads": "as tandem serve: the cores split among a system's workers (--threads: one count for all); "
