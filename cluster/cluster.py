@@ -116,11 +116,15 @@ class Cluster:
             self.state.emit("scaled", role=role, replicas=replicas)
 
     def drain(self, worker_id: str) -> bool:
-        return bool(ray.get(self.manager.drain.remote(worker_id), timeout=10))
+        done = bool(ray.get(self.manager.drain.remote(worker_id), timeout=10))
+        self.view.refresh()  # routing stops at once, not at the worker's next heartbeat
+        return done
 
     def flip(self, worker_id: str, role: str) -> bool:
         """PoolManager.flip: it waits out the round in progress (about a second)."""
-        return bool(ray.get(self.manager.flip.remote(worker_id, role), timeout=30))
+        done = bool(ray.get(self.manager.flip.remote(worker_id, role), timeout=30))
+        self.view.refresh()
+        return done
 
     def workers(self) -> list[dict[str, Any]]:
         """The pool manager's view merged with each worker's last heartbeat."""
