@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) __m512i idots(const int16_t *q, con
         for (int t = 0; t < nh; t++) qd[t] = _mm512_loadu_si512(q + t * head_dim + d);
         for (int j = 0; j < nk; j++) {
             __m512i kd = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(k + off[j] + d)));
-            for (int t = 0; t < nh; t++) acc[t * nk + j] = _mm512_dpwssd_epi32(acc[t * nk + j], kd, qd[t]);
+            for (int t = 0; t < nh; t++) acc[t * nk + j] = dpwssd(acc[t * nk + j], kd, qd[t]);
         }
     }
     return sum16i(acc);
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void int8_values_tile(const int32_t
                            _mm512_unpacklo_epi16(ahi, bhi), _mm512_unpackhi_epi16(ahi, bhi)};
         for (int t = 0; t < nh; t++) {
             __m512i w = _mm512_set1_epi32(wp[t][j / 2]);
-            for (int c = 0; c < 4; c++) acc[t][c] = _mm512_dpwssd_epi32(acc[t][c], pair[c], w);
+            for (int c = 0; c < 4; c++) acc[t][c] = dpwssd(acc[t][c], pair[c], w);
         }
     }
     /* unpack{lo,hi} left dim 8L + i in lane 4L + i of pair 0 and dim 8L + 4 + i in pair 1 (i < 4) */

@@ -1,10 +1,33 @@
-/* What the C files of engine/csrc share: exp, and sums and maxima that gcc vectorizes. */
+/* What the C files of engine/csrc share: exp, sums and maxima that gcc vectorizes, and the
+ * dot-product instructions as in-place accumulators. */
 #ifndef TANDEM_COMMON_H
 #define TANDEM_COMMON_H
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* acc += a . b, in place, for the dot-product instructions that accumulate. gcc 12's intrinsics
+ * for them (_mm512_dpbusd_epi32 and its kin) moved every accumulator to another register, and
+ * some through the stack, on each iteration of a kernel's inner loop; as asm the accumulators
+ * stay put. Same instruction, same bits. Same process, alternated: SmolLM2's projections at 8
+ * rows 10.1 -> 8.5 ms, 64 rows 41.7 -> 37.4, 512 rows 275 -> 258; in the engine (int8) a
+ * 512-token prefill 312 -> 268 and 327 -> 302 ms (two runs), decode steps 1-3% faster. */
+#define TANDEM_DP(name, insn, acc_t, in_t)                                                                             \
+    static inline __attribute__((always_inline)) acc_t name(acc_t acc, in_t a, in_t b) {                         \
+        __asm__(insn " %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));                                               \
+        return acc;                                                                                            \
+    }
+#if defined(__AVX512VNNI__)
+TANDEM_DP(dpbusd, "vpdpbusd", __m512i, __m512i) /* u8 a x s8 b, 4 products a lane */
+TANDEM_DP(dpwssd, "vpdpwssd", __m512i, __m512i) /* s16 x s16, 2 products a lane */
+#endif
+#if defined(__AVX512BF16__)
+TANDEM_DP(dpbf16, "vdpbf16ps", __m512, __m512bh) /* bf16 pairs into fp32 */
+#endif
+#endif
 
 #define LANES 16
 

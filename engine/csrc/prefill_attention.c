@@ -115,8 +115,8 @@ static inline __attribute__((always_inline)) void rows_block(const uint32_t *con
             __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 16), b = (__m512bh)_mm512_loadu_si512(k1 + p * 16);
             for (int r = 0; r < R; r++) {
                 __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r][p]);
-                s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, a);
-                s[r][1] = _mm512_dpbf16_ps(s[r][1], qb, b);
+                s[r][0] = dpbf16(s[r][0], qb, a);
+                s[r][1] = dpbf16(s[r][1], qb, b);
             }
         }
         const int whole = kb + KEYS - 1 <= lim[0]; /* every row sees every key of the block */
@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) void rows_block(const uint32_t *con
             for (int c = 0; c < DV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(vrow + c * 16);
             for (int r = 0; r < R; r++) {
                 __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pw[r][t]);
-                for (int c = 0; c < DV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+                for (int c = 0; c < DV; c++) acc[r][c] = dpbf16(acc[r][c], pb, vv[c]);
             }
         }
     }

@@ -117,9 +117,10 @@ def per_row_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return dots * (amax / 127.0)[:, None] * scale.float()
 
 
-# 7 blocks and 13 rows: tiles of 4 x 4 and remainders, split unevenly over 2 threads; 6 blocks
-# and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 4 x 4 tiles for the last 5 rows.
-@pytest.mark.parametrize(("blocks", "rows"), [(7, 13), (6, 37)])
+# 7 blocks and 6 rows: one tile of 6 x 4 blocks and a remainder, split unevenly over 2 threads;
+# 13 rows: tiles of 8 x 3 blocks, then 5 rows; 11 blocks and 8 rows: 8 x 3 tiles and an 8 x 2;
+# 6 blocks and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 5 rows.
+@pytest.mark.parametrize(("blocks", "rows"), [(7, 6), (7, 13), (11, 8), (6, 37)])
 def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps, blocks: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(3)
     n, k = 16 * blocks, 96
