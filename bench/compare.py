@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.compare_report import Measured, MixRun, class_slo, evaluate, print_report, write_plots
+from bench.compare_report import TARGET, Measured, MixRun, class_slo, evaluate, print_report, write_plots
 from bench.harness import (
     ready_to_serve,
     running_cluster,
@@ -133,10 +133,18 @@ def base_rate(mix: Mix, alone: Mapping[str, Unloaded]) -> float:
 
 
 def run_system(
-    system: System, plan: Plan, base: dict[str, float], scales: tuple[float, float], seed: int, progress: bool
+    system: System,
+    plan: Plan,
+    base: dict[str, float],
+    colocated: dict[str, list[Mapping[str, Unloaded]]],
+    scales: tuple[float, float],
+    seed: int,
+    progress: bool,
 ) -> dict[str, MixRun]:
     """Start `system`, probe each class and sweep every mix, shut it down. `base` (req/s per mix)
-    is set by the first system and reused, so every system sees the same rates."""
+    is set by the first system and reused, so every system sees the same rates. `colocated` (per
+    mix, the unloaded latencies of the colocated systems run so far) makes the sweep's SLO as
+    close to the final one as is known yet: that is what its lowest rate must meet."""
     config = ClusterConfig(
         namespace=unique_namespace("bench-compare"),
         prefill=system.prefill,
@@ -158,8 +166,12 @@ def run_system(
             base.setdefault(name, base_rate(mix, alone))
             rates = [base[name] * f for f in plan.factors]
             print(f"[{system.name}] {name}: sweep {', '.join(f'{r:.3g}' for r in rates)} req/s", file=sys.stderr)
-            stop = class_slo([alone], *scales)  # provisional: the final SLOs come from every colocated system
-            points = sweep(target, mix, rates, stop, plan.requests, plan.max_seconds, mix_seed, progress=progress)
+            known = colocated.setdefault(name, [])
+            if not system.pd:
+                known.append(alone)
+            stop = class_slo(known or [alone], *scales)  # provisional: the final SLOs come from every colocated system
+            floor = (TARGET, 2)  # a lowest rate that misses the target: up to 2 more points, each at half
+            points = sweep(target, mix, rates, stop, plan.requests, plan.max_seconds, mix_seed, progress, floor)
             out[name] = MixRun(alone, points)
     return out
 
@@ -195,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     scales = (args.ttft_scale, args.tpot_scale)
     t0 = time.monotonic()
     base: dict[str, float] = {}
+    colocated: dict[str, list[Mapping[str, Unloaded]]] = {}
     measured: Measured = {
-        s.name: run_system(s, plan, base, scales, args.seed, not args.no_progress) for s in plan.systems
+        s.name: run_system(s, plan, base, colocated, scales, args.seed, not args.no_progress) for s in plan.systems
     }
     res = evaluate(measured, plan, scales)
     meta = {"quick": args.quick, "seed": args.seed, "elapsed_s": time.monotonic() - t0, "cores": plan.systems[0].cores,

@@ -72,7 +72,7 @@ def _system_report(run: MixRun, slo: ClassSLO) -> dict[str, Any]:
     for p, (_, a) in zip(run.points, curve, strict=True):
         classes = {c: summarize([r for r in p.results if r.cls == c], p.duration_s, s) for c, s in slo.by_class.items()}
         points.append({
-            "rate": p.rate, "attainment": a, "goodput_rps": goodput(p.results, slo, p.duration_s),
+            "rate": p.rate, "index": p.index, "attainment": a, "goodput_rps": goodput(p.results, slo, p.duration_s),
             **_brief(summarize(p.results, p.duration_s, SLO())),  # counts and latencies; the SLOs are per class
             "classes": {c: {"attainment": s["slo_attainment"], **_brief(s)} for c, s in classes.items()},
         })  # fmt: skip

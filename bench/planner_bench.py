@@ -100,7 +100,8 @@ def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tok
             scales = _calibration(spec, plan.mixes[name], measured["unloaded"], mix_seed, plan.probe_requests, tok)
             spec = _scaled(spec, *scales)
             points, pairs = [], []
-            for i, point in enumerate(measured["points"]):
+            for j, point in enumerate(measured["points"]):
+                i = point.get("index", j)  # the sweep's seed and salt offset (older runs: the position)
                 items = make_items(plan.mixes[name], point["requests"], seed=mix_seed + i, salt=i)
                 at = arrivals(len(items), point["rate"], "poisson", mix_seed + i)
                 prompts = _prompt_tokens(tok, items)

@@ -1,7 +1,8 @@
 """Unloaded latency and rate sweeps against one endpoint: the steps the goodput comparison repeats.
 
     probe:  warm-up, then requests one at a time -> median TTFT / TPOT / E2E with no queueing
-    sweep:  Poisson load at base x f0, base x f0 x step, ... until attainment collapses
+    sweep:  Poisson load at base x f0, base x f0 x step, ... until attainment collapses; where
+            the lowest rate already misses the target, halving it until a rate meets it
 
 SLOs are chosen after every system has been probed (DistServe style: k x the unloaded latency
 of each request class), so a sweep keeps every request and only uses a provisional SLO to know
@@ -14,6 +15,8 @@ import asyncio
 import math
 import statistics
 from dataclasses import dataclass
+
+import httpx
 
 from bench.loadgen import Target, run_load
 from bench.stats import SLO, ClassSLO, RequestResult, attainment
@@ -40,6 +43,7 @@ class Point:
     rate: float
     results: list[RequestResult]
     duration_s: float
+    index: int = 0  # its requests' seed and salt offset (make_items): negative below the planned rates
 
     def attainment(self, slo: SLO | ClassSLO) -> float:
         return attainment(self.results, slo)
@@ -67,21 +71,35 @@ def sweep(
     requests: int,
     max_seconds: float,
     seed: int,
-    stop_below: float = 0.5,
     progress: bool = True,
+    floor: tuple[float, int] = (0.9, 2),
+    stop_below: float = 0.5,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> list[Point]:
     """Poisson load at each of `rates` (ascending), `requests` requests a point, fewer where that
     would take longer than `max_seconds` to send (4 at least). Stops after the first point whose
     attainment of `stop` is below `stop_below`. Point i sends salt-i text: the same prompts on
-    every system swept with the same `seed`, and nothing one point could find cached from another."""
-    points: list[Point] = []
-    for i, rate in enumerate(rates):
+    every system swept with the same `seed`, and nothing one point could find cached from another.
+    Where the lowest rate misses `floor`'s attainment, up to `floor`'s count more points go below
+    it, each at half the rate of the last (points -1, -2, ...), until one meets it: a goodput is
+    then measured, where one noisy lowest point made it 0. Returned in ascending rate."""
+
+    def point(i: int, rate: float) -> Point:
         n = max(4, min(requests, math.ceil(rate * max_seconds)))
         items = make_items(mix, n, seed=seed + i, salt=i)
-        results, duration = asyncio.run(
-            run_load(target, items, rate=rate, seed=seed + i, progress=progress, desc=f"{rate:.3g} req/s")
-        )
-        points.append(Point(rate, results, duration))
+        desc = f"{rate:.3g} req/s"
+        load = run_load(target, items, rate=rate, seed=seed + i, progress=progress, desc=desc, transport=transport)
+        results, duration = asyncio.run(load)
+        return Point(rate, results, duration, i)
+
+    points: list[Point] = []
+    for i, rate in enumerate(rates):
+        points.append(point(i, rate))
         if points[-1].attainment(stop) < stop_below:
             break
+    meets, most = floor
+    for i in range(-1, -most - 1, -1):
+        if not points or points[0].attainment(stop) >= meets:
+            break
+        points.insert(0, point(i, points[0].rate / 2))
     return points
