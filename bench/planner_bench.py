@@ -217,7 +217,8 @@ def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> li
         compare = json.loads((out / "compare.json").read_text())
     rows = replay(compare, _profiles(args, out), Tokenizer.load(default_model_path()))
     points = [{"mix": r.mix, "system": r.system, "measured_rps": r.measured, "simulated_rps": r.simulated,
-               "error": r.error, "prefill_scale": r.prefill_scale, "decode_scale": r.decode_scale}
+               "error": r.error, "prefill_scale": r.prefill_scale, "decode_scale": r.decode_scale,
+               "attainment": [{"rate": a, "measured": m, "simulated": s} for a, m, s in r.attainment]}
               for r in rows]  # fmt: skip
     diffs = [abs(m - s) for r in rows for _, m, s in r.attainment]
     report["points"] = points
