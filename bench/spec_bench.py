@@ -147,8 +147,8 @@ def measure_staggered(
     identical = [True] * len(prompts)
     s = engines["on"].speculator
     for r in range(repeats):
-        if s is not None and s.tree is not None:
-            s.tree.clear()
+        if s is not None:
+            s.reset()
         out: dict[str, list[list[int]]] = {}
         for mode in list(engines)[:: 1 if r % 2 == 0 else -1]:
             timing, latency, out[mode] = run_staggered(engines[mode], prompts, greedy, gap_s)
@@ -192,8 +192,8 @@ def measure(
     before = (s.drafts, s.drafted, s.accepted) if s is not None else (0, 0, 0)
     batch_drafted = 0  # draft tokens verified in the batch runs (their rounds together)
     for r in range(repeats):
-        if s is not None and s.tree is not None:
-            s.tree.clear()
+        if s is not None:
+            s.reset()
         for mode in list(engines)[:: 1 if r % 2 == 0 else -1]:
             e = engines[mode]
             single = run_alone(e, prompts[:alone], greedy)

@@ -127,6 +127,17 @@ class Speculator:
             req.draft = draft.token_ids[: max(0, min(room, verify_len(draft, rows, self.base_cost)))]
             rows += len(req.draft)
 
+    def reset(self) -> None:
+        """Forget every request tracked and every output the tree holds, so nothing run before
+        drafts anything after (a benchmark's round). A finished request joins the tree only at
+        the next `draft`, so clearing the tree alone would let the last ones in. Call it with
+        nothing running."""
+        self._drafters.clear()
+        self._requests.clear()
+        self._rate.clear()
+        if self.tree is not None:
+            self.tree.clear()
+
     def _forget(self, request_id: str) -> None:
         """A request left the running set: finished (its answer joins the tree) or preempted."""
         del self._drafters[request_id]

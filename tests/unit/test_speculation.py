@@ -170,6 +170,25 @@ def test_output_tree_drafts_the_most_frequent_continuation_within_its_capacity()
     assert tree.tokens == 0 and tree.propose([7, 9, 1]) == Draft((), ())
 
 
+def test_reset_forgets_the_requests_that_finished_since_the_last_draft(tiny_model: LlamaModel) -> None:
+    """A finished request joins the output tree at the next draft; after reset it never does, so
+    a benchmark round drafts nothing from the round before (clearing the tree alone let the last
+    requests of a round in: the next round then drafted their very answers)."""
+    spec = make_engine(tiny_model, speculative="suffix", num_speculative_tokens=3)
+    s = spec.speculator
+    assert s is not None and s.tree is not None
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    run(spec, [looping(1)], [params])
+    assert s.tree.tokens == 0, "the finished request waits for the next draft"
+    s.reset()
+    run(spec, [looping(2)], [params])
+    assert s.tree.tokens == 0, "the first request was forgotten, the second is pending"
+    run(spec, [looping(3)], [params])
+    assert s.tree.tokens == 12, "without reset, the one before joins at the next draft"
+    s.tree.check_integrity()
+    spec.check_integrity()
+
+
 def test_verify_len_keeps_the_confident_prefix_and_less_under_load() -> None:
     draft = Draft((1, 2, 3, 4), (0.9, 0.8, 0.5, 0.9))  # cumulative: 0.9, 0.72, 0.36, 0.324
     # token i's row costs row_cost(rows + i) = 0.2 + 0.045 * (rows + i - 1)
