@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from cluster.pool_manager import ManagerStatus
 
 MANAGER = "tandem-pool-manager"
+# a new pool manager's start (2-4 s here), waited for: the routing view's first read timed out on it
+MANAGER_START_S = 120.0
 log = logging.getLogger(__name__)
 
 __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
@@ -92,13 +94,14 @@ class Cluster:
         from cluster.pool_manager import PoolManager
 
         configs = {role: role_config(config.engine, role) for role in ROLES}
-        ray.remote(PoolManager).options(  # type: ignore[attr-defined]
+        manager: Any = ray.remote(PoolManager).options(  # type: ignore[attr-defined]
             name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8,
             max_restarts=-1,  # it adopts the running workers (cluster/worker_actors.py): no stream is lost
         ).remote(
             url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls,
             worker_env=config.worker_env,
         )  # fmt: skip
+        ray.get(manager.__ray_ready__.remote(), timeout=MANAGER_START_S)
         c = cls(config, url, redis, own_ray)
         for role in ("prefill", "decode", "colocated"):
             c.scale(role, getattr(config, role))
