@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://{settings.host}:{settings.port}"
         print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
         print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+        # lifespan off: the app has no startup or shutdown handlers, and uvicorn's lifespan task,
+        # cancelled by Ctrl-C, logged a traceback on every stop
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off")
     finally:
         stop.set()
         print("tandem: shutting down ...", flush=True)
