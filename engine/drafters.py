@@ -64,10 +64,14 @@ class PromptLookup:
 
 
 class OutputTree:
-    """Worker-global continuation counts over the last `capacity` output tokens (see the module)."""
+    """Worker-global continuation counts over the last `capacity` output tokens (see the module).
+    A continuation seen once drafts (`min_count` 1): the verify policy weighs it by its share and
+    the request's acceptance. Against 2, alternated, `tandem bench spec` single stream: summarize
+    1.66 / 1.84x -> 1.87 / 2.00x, agentic 1.31 / 1.34x -> 1.48 / 1.46x, chat 1.04 / 1.04x ->
+    1.33 / 1.08x, code edit 1.74 / 1.57x -> 1.73 / 1.85x; batch 16 drafts nothing either way."""
 
     def __init__(self, capacity: int = 200_000, max_draft: int = 4, min_ngram: int = 2, max_ngram: int = 4,
-                 min_count: int = 2) -> None:  # fmt: skip
+                 min_count: int = 1) -> None:  # fmt: skip
         self.capacity = capacity
         self.max_draft = max_draft
         self.min_ngram = min_ngram
