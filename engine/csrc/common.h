@@ -15,10 +15,10 @@
  * stay put. Same instruction, same bits. Same process, alternated: SmolLM2's projections at 8
  * rows 10.1 -> 8.5 ms, 64 rows 41.7 -> 37.4, 512 rows 275 -> 258; in the engine (int8) a
  * 512-token prefill 312 -> 268 and 327 -> 302 ms (two runs), decode steps 1-3% faster. */
-#define TANDEM_DP(name, insn, acc_t, in_t)                                                                             \
-    static inline __attribute__((always_inline)) acc_t name(acc_t acc, in_t a, in_t b) {                         \
-        __asm__(insn " %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));                                               \
-        return acc;                                                                                            \
+#define TANDEM_DP(name, insn, acc_t, in_t)                                                           \
+    static inline __attribute__((always_inline)) acc_t name(acc_t acc, in_t a, in_t b) {             \
+        __asm__(insn " %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));                                    \
+        return acc;                                                                                  \
     }
 #if defined(__AVX512VNNI__)
 TANDEM_DP(dpbusd, "vpdpbusd", __m512i, __m512i) /* u8 a x s8 b, 4 products a lane */
