@@ -117,7 +117,7 @@ def per_row_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return dots * (amax / 127.0)[:, None] * scale.float()
 
 
-# 7 blocks and 6 rows: one tile of 6 x 4 blocks and a remainder, split unevenly over 2 threads;
+# 7 blocks and 6 rows: split unevenly over 2 threads, a tile of 6 x 3 blocks and one of 6 x 4;
 # 13 rows: tiles of 8 x 3 blocks, then 5 rows; 11 blocks and 8 rows: 8 x 3 tiles and an 8 x 2;
 # 6 blocks and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 5 rows.
 @pytest.mark.parametrize(("blocks", "rows"), [(7, 6), (7, 13), (11, 8), (6, 37)])
