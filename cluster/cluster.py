@@ -41,8 +41,7 @@ if TYPE_CHECKING:
     from cluster.pool_manager import ManagerStatus
 
 MANAGER = "tandem-pool-manager"
-# a new pool manager's start (2-4 s here), waited for: the routing view's first read timed out on it
-MANAGER_START_S = 120.0
+MANAGER_START_S = 120.0  # a new manager's start (2-4 s here), awaited before the routing view's first read
 log = logging.getLogger(__name__)
 
 __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
