@@ -2,6 +2,11 @@
 
     efficiency(C)      served output tok/s at concurrency C / the engine's output tok/s on the same prompts
     tpot_over_step(C)  client TPOT p50 at C / the engine's median step time with all C requests decoding
+    serving_efficiency(C)  served output tok/s / the engine's, run with the system up and idle
+
+The last splits what efficiency misses in two: what the cluster costs the cores by being there
+(Ray's and Tandem's background: measured 12-16% of the engine at C = 8 on 2 cores), and what
+serving the requests costs on top.
 
 The engine baseline runs in this process: the same prompts in waves of C through the engine's
 own loop (Engine.generate's add_request + step, each step timed), with the workers' dtype,
@@ -124,9 +129,10 @@ def run_engine(
 
 
 def run_mode(
-    mode: str, model: str, config: EngineConfig, waves: dict[int, list[str]], progress: bool
+    mode: str, model: str, config: EngineConfig, threads: int, waves: dict[int, list[str]], progress: bool
 ) -> dict[int, dict[str, Any]]:
-    """Start the system, warm it up, load it closed-loop at every C, shut it down."""
+    """Start the system, warm it up, then at every C: the engine's loop in this process with the
+    system up and idle, and the system loaded closed-loop; shut it down."""
     prefill, decode, colocated = MODES[mode]
     spec = ClusterConfig(model, unique_namespace("bench-efficiency"), prefill, decode, colocated, engine=config)
     out: dict[int, dict[str, Any]] = {}
@@ -135,11 +141,14 @@ def run_mode(
         warm = [WorkItem(WARMUP_TOKENS, prompt=p) for p in prompts(max(waves), 0, salt=-1)]
         asyncio.run(run_load(target, warm, concurrency=len(warm), progress=False))
         for c, batch in waves.items():
+            # the engine's loop here first, the cluster up and idle: what sharing the cores with it costs
+            shared = run_engine(model, config, threads, {c: batch}, progress)[0][c]
             items = [WorkItem(OUTPUT_TOKENS, prompt=p) for p in batch]
             results, duration = asyncio.run(
                 run_load(target, items, concurrency=c, progress=progress, desc=f"{mode} C={c}")
             )
-            out[c] = served_figures(summarize(results, duration, SLO()))
+            out[c] = {**served_figures(summarize(results, duration, SLO())),
+                      "engine_cluster_up_tok_s": shared["output_tok_s"]}  # fmt: skip
     return out
 
 
@@ -166,6 +175,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
+def _tok(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def _x(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -177,11 +190,13 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"  baseline: the engine alone, {e['threads']} threads, in this run ({e['num_blocks']} blocks, "
               f"max_num_seqs {e['max_num_seqs']}); load average before it {e['load_avg_1m_before']:.2f}")  # fmt: skip
         print(f"{'C':>5}{'ok/sent':>9}{'served tok/s':>14}{'engine tok/s':>14}{'efficiency':>12}"
-              f"{'TPOT p50 ms':>13}{'step p50 ms':>13}{'TPOT/step':>11}")  # fmt: skip
+              f"{'TPOT p50 ms':>13}{'step p50 ms':>13}{'TPOT/step':>11}{'engine, cluster up':>20}"
+              f"{'serving eff.':>14}")  # fmt: skip
         for c, f in r["by_concurrency"].items():
             print(f"{c:>5}{f['completed']:>4}/{f['requests']:<4}{f['output_tok_s']:>14.1f}"
                   f"{f['engine_output_tok_s']:>14.1f}{_x(f['efficiency']):>12}{_ms(f['tpot_p50_s']):>13}"
-                  f"{_ms(f['engine_step_p50_s']):>13}{_x(f['tpot_over_step']):>11}")  # fmt: skip
+                  f"{_ms(f['engine_step_p50_s']):>13}{_x(f['tpot_over_step']):>11}"
+                  f"{_tok(f.get('engine_cluster_up_tok_s')):>20}{_x(f['serving_efficiency']):>14}")  # fmt: skip
             for err in f["errors"]:
                 print(f"      error: {err}")
         verdict = "meets" if r["meets_targets"] else "misses"
@@ -204,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     engine, meta, served = {}, {}, {}
     for mode, n in threads.items():  # each system between two runs of its baseline
         before, meta[mode] = run_engine(model, configs[n], n, waves, progress)
-        served[mode] = run_mode(mode, model, configs[n], waves, progress)
+        served[mode] = run_mode(mode, model, configs[n], n, waves, progress)
         engine[mode] = best_of(before, run_engine(model, configs[n], n, waves, progress)[0])
     res = report(engine, served, meta, args.quick, time.monotonic() - t0)
     if args.out:

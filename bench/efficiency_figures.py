@@ -28,6 +28,11 @@ DEFINITIONS = {
     "(Engine.generate's add_request + step) in waves of C, in the benchmark's process; the faster of two "
     "runs, one right before the system's cluster and one right after it (runs_output_tok_s)",
     "tpot_over_step": "client TPOT p50, (E2E - TTFT) / (output tokens - 1), over the engine's step p50 at batch C",
+    "serving_efficiency": "served output tok/s at C / engine_cluster_up_tok_s: what serving costs beyond the "
+    "cluster's standing cost",
+    "engine_cluster_up_tok_s": "the engine's loop on the same prompts as engine_output_tok_s, one run, in the "
+    "benchmark's process with the system's cluster up and idle (its background shares the cores), right before "
+    "the system is loaded at that C",
     "engine_step_s": "wall time of engine.step() in the steps where all C requests of a wave decode (none prefills)",
     "threads": "as tandem serve: the cores split among a system's workers (--threads: one count for all); "
     "colocated's baseline has the colocated worker's threads, pd's the decode worker's (the prefill worker "
@@ -93,6 +98,7 @@ def mode_report(served: dict[int, dict[str, Any]], engine: dict[int, dict[str, A
             "engine_step_p50_s": e["step_p50_s"],
             "efficiency": ratio(s["output_tok_s"], e["output_tok_s"]),
             "tpot_over_step": ratio(s["tpot_p50_s"], e["step_p50_s"]),
+            "serving_efficiency": ratio(s["output_tok_s"], s.get("engine_cluster_up_tok_s")),
         }
 
     def at(c: int, key: str) -> float | None:
@@ -105,6 +111,8 @@ def mode_report(served: dict[int, dict[str, Any]], engine: dict[int, dict[str, A
         "efficiency_c32": eff[1],
         "tpot_over_step_c8": tps[0],
         "tpot_over_step_c32": tps[1],
+        "serving_efficiency_c8": at(8, "serving_efficiency"),
+        "serving_efficiency_c32": at(32, "serving_efficiency"),
         "meets_targets": all(x is not None and x >= EFFICIENCY_TARGET for x in eff)
         and all(x is not None and x <= TPOT_OVER_STEP_TARGET for x in tps)
         and not any(s["failed"] for s in served.values()),

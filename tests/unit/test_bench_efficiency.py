@@ -49,6 +49,17 @@ def test_efficiency_and_tpot_over_step_are_ratios_to_the_engine_at_the_same_c() 
     assert r["meets_targets"] is False  # C=32: 0.8 < 0.85
 
 
+def test_serving_efficiency_is_against_the_engine_run_with_the_cluster_up() -> None:
+    """The second baseline splits the loss: the cluster's standing cost, then serving's own."""
+    served = {8: {**served_at(180.0, 0.030), "engine_cluster_up_tok_s": 190.0}, 32: served_at(320.0, 0.070)}
+    r = mode_report(served, ENGINE)
+    assert r["efficiency_c8"] == pytest.approx(0.9)  # the headline stays against the engine alone
+    assert r["serving_efficiency_c8"] == pytest.approx(180.0 / 190.0)
+    assert r["by_concurrency"]["8"]["serving_efficiency"] == pytest.approx(180.0 / 190.0)
+    assert r["serving_efficiency_c32"] is None  # no such run: no ratio
+    assert r["meets_targets"] is False
+
+
 def test_meets_targets_only_when_every_headline_ratio_does() -> None:
     good = {8: served_at(170.0, 0.030), 32: served_at(340.0, 0.060)}  # 0.85, 0.85; 1.2, 1.2
     assert mode_report(good, ENGINE)["meets_targets"] is True
@@ -107,6 +118,8 @@ def test_report_has_the_keys_the_issue_asks_for() -> None:
     assert res["engine"]["pd"]["threads"] == 1 and set(res["engine"]["pd"]["by_concurrency"]) == {"1", "8", "32"}
     assert res["quick"] is True and res["elapsed_s"] == 12.5
     assert {"efficiency", "tpot_over_step", "threads", "workload", "targets"} <= set(res["definitions"])
+    assert {"serving_efficiency", "engine_cluster_up_tok_s"} <= set(res["definitions"])
+    assert {"serving_efficiency_c8", "serving_efficiency_c32"} <= set(res["colocated"])
     assert res["definitions"] is DEFINITIONS
 
 
