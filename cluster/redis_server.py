@@ -142,7 +142,14 @@ class EmbeddedRedis:
         (tied to the spawning thread) still ends the server with this process."""
         tries: collections.deque[float] = collections.deque()
         backoff = self.restart_backoff_s
-        while not self._stopped.wait(0.05):
+        while True:
+            proc = self._proc
+            if proc is not None:
+                proc.wait()  # until the server exits: no polling (it woke 20 times a second)
+            elif self._stopped.wait(0.05):  # none between a terminate and a spawn: restart(), a failed try
+                return
+            if self._stopped.is_set():
+                return
             if self.running:  # restart() holds the lock while it is down: seen as running below
                 continue
             while tries and time.monotonic() - tries[0] > self.restart_window_s:

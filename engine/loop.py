@@ -165,7 +165,10 @@ class EngineLoop:
             if outs:
                 self._dispatch(outs)
             if not busy:
-                self._wake.wait(0.05)
+                # Whatever gives the loop work sets _wake after it (open, later, stop), and the
+                # next look for work follows the clear: no timeout, so an idle loop does not wake
+                # (it polled 20 times a second, on the cores the engines use).
+                self._wake.wait()
                 self._wake.clear()
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
