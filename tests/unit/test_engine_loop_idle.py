@@ -34,9 +34,9 @@ def test_an_idle_loop_does_not_poll_and_wakes_for_each_request(tiny_model: Llama
             outs = list(stream.iterate(timeout=5))
             assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
             loop.check_integrity()
-        looks = engine.looks
+        looks = engine.looks  # the loop may not have taken its look after the last output yet
         time.sleep(0.3)
-        assert engine.looks == looks
+        assert engine.looks <= looks + 1
         ran = threading.Event()
         loop.later(lambda e: ran.set())
         assert ran.wait(5)
