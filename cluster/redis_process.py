@@ -68,6 +68,9 @@ def write_config(directory: Path, port: int, password: str, persistence: bool) -
         f'dir "{directory}"',
         f'logfile "{directory / "redis.log"}"',
         "daemonize no",
+        # Its cron, 10 times a second by default, woke it as often on the engines' cores for nothing
+        # Tandem needs from it: an expired key (a heartbeat's TTL) is expired when read too.
+        "hz 1",
     ]
     if persistence:
         lines += ["appendonly yes", "appendfsync everysec"]

@@ -49,6 +49,7 @@ def test_server_is_local_and_password_protected(server: EmbeddedRedis) -> None:
     with redis.Redis.from_url(server.url) as client:
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "no"}
+        assert client.config_get("hz") == {"hz": "1"}  # no cron 10 times a second (TTLs expire on read)
 
 
 def test_namespaces_are_isolated(server: EmbeddedRedis) -> None:
