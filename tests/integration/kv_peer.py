@@ -40,7 +40,6 @@ def sender(endpoint: str) -> None:
     for layer in range(lay.num_layers):
         data = torch.randn(1, 2, 3, lay.block_size, lay.num_kv_heads, lay.head_dim, dtype=DTYPES[lay.dtype])
         push.send(layer, layer + 1, [0, 1, 2], data)
-    time.sleep(0.5)  # let the stream carry the chunks
     print("sent", flush=True)
     while True:
         time.sleep(1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +53,14 @@ def tokens_of(outs: list[StreamOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
+def prefilling(c: Cluster) -> bool:
+    """A prefill worker has a request, as its heartbeat says (`stale`: busy in a long step)."""
+    return any(
+        w["role"] == "prefill" and (w.get("stale") or w.get("running", 0) + w.get("waiting", 0) > 0)
+        for w in c.workers()
+    )
+
+
 def test_parity_with_one_engine_and_colocated(cluster: Cluster, engine_fp32: Engine) -> None:
     cluster.scale("colocated", 1)
     until(lambda: count(cluster, "colocated") == 1, 180, "a colocated worker")
@@ -96,18 +103,26 @@ def test_scaling_decode_up_and_down_loses_no_request(cluster: Cluster, engine_fp
     ids = chat(engine_fp32, "Count slowly from one to twenty.")
     long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     results: list[Any] = []
+    streaming = threading.Semaphore(0)
 
     def run() -> None:
         try:
-            results.append(tokens_of(list(cluster.generate(ids, long))))
+            outs = []
+            for out in cluster.generate(ids, long):
+                if not outs:
+                    streaming.release()
+                outs.append(out)
+            results.append(tokens_of(outs))
         except Exception as e:
+            streaming.release()
             results.append(e)
 
     threads = [threading.Thread(target=run) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    cluster.scale("decode", 1)  # one of the two drains while requests are in flight
+    for _ in threads:
+        assert streaming.acquire(timeout=120), "a stream never started"
+    cluster.scale("decode", 1)  # one of the two drains while every request is in flight
     for t in threads:
         t.join(120)
     assert all(isinstance(r, list) and len(r) == 60 for r in results), results
@@ -240,7 +255,7 @@ def test_a_reservation_outlives_a_queue_longer_than_its_lease(cluster: Cluster, 
     try:
         blocker = threading.Thread(target=lambda: list(cluster.generate(long_ids, SamplingParams(max_tokens=2))))
         blocker.start()
-        time.sleep(0.3)  # the long prompt is on the prefill worker first
+        until(lambda: prefilling(cluster), 60, "the long prompt on the prefill worker")
         route = cluster.route(short, GREEDY, policy=RoutingPolicy(local_below_tokens=0))
         assert route.prefill is not None
         outs = list(cluster.generate(short, GREEDY, route=route))

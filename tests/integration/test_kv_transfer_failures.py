@@ -21,9 +21,15 @@ from kv_transfer.sender import KVTransferClient
 from kv_transfer.server import KVTransferServer
 from kv_transfer.streaming import LayerStreamer
 from tests.integration.kv_peer import SECRET
+from tests.integration.waits import until
 from tests.unit.tiny import TINY, make_engine, tiny_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def received_chunks(receiver: KVReceiver, request_id: str) -> int:
+    held = receiver.table.get(request_id)
+    return held.chunks if held is not None else 0
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
@@ -66,7 +72,7 @@ def test_sender_killed_mid_stream_frees_the_reservation(model: LlamaModel, procs
         sender = spawn("sender", server.endpoint)
         procs.append(sender)
         assert first_line(sender) == "sent"
-        assert "victim" in receiver.table and receiver.table.get("victim").chunks > 0  # type: ignore[union-attr]
+        until(lambda: received_chunks(receiver, "victim") > 0, 30, "the sender's chunks")
         killed = time.monotonic()
         sender.send_signal(signal.SIGKILL)
         while "victim" in receiver.table and time.monotonic() - killed < 5:

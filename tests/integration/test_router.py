@@ -27,6 +27,8 @@ from cli.admin import main as admin_cli
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.routing import RoutingPolicy
 from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kv_cache import prefix_hashes
 from router.app import create_app
 from router.backend import ClusterBackend
 from router.settings import RouterSettings
@@ -180,7 +182,9 @@ def test_disconnect_mid_stream_frees_kv_on_both_workers(url: str, model: str, cl
     until(lambda: all(w.get("free_blocks") == w.get("num_blocks") for w in cluster.workers()), 5, "heartbeats")
 
 
-def test_admin_scales_pools_and_cache_aware_routing(url: str, model: str, cluster: Cluster) -> None:
+def test_admin_scales_pools_and_cache_aware_routing(
+    url: str, model: str, cluster: Cluster, engine_fp32: Engine
+) -> None:
     assert httpx.get(f"{url}/admin/pools").status_code == 401
     assert httpx.post(f"{url}/admin/pools/decode", json={"replicas": 2}).status_code == 401
     r = httpx.post(f"{url}/admin/pools/decode", json={"replicas": 2}, headers=ADMIN)
@@ -196,7 +200,11 @@ def test_admin_scales_pools_and_cache_aware_routing(url: str, model: str, cluste
     first = httpx.post(chat, json={"model": model, "messages": history, "max_tokens": 8, "temperature": 0}, timeout=120)
     holder = json.loads(first.headers["x-tandem-timing"])["prefill_worker"]
     reply = first.json()["choices"][0]["message"]["content"]
-    time.sleep(1.5)  # prefill workers publish their cached blocks to the index on their heartbeat
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    hashes = prefix_hashes(tok.encode(tok.apply_chat_template(history))[:-1], cluster.config.engine.block_size)
+    # prefill workers publish their cached blocks to the index on their heartbeat
+    until(lambda: cluster.state.longest_prefix(hashes, [holder]).get(holder, 0) == len(hashes), 10, "the index")
     follow = [*history, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
     for stream in (False, True):
         body = {"model": model, "messages": follow, "max_tokens": 8, "temperature": 0, "stream": stream}
