@@ -153,6 +153,15 @@ def _watch_ray(stop: threading.Event) -> None:
             return
 
 
+def http_server(app: Any, settings: RouterSettings) -> uvicorn.Server:
+    """The router's HTTP server. On SIGTERM or Ctrl-C it stops accepting connections and lets
+    every answer in flight finish before `run()` returns (a second Ctrl-C cuts them short)."""
+    # lifespan off: the app has no startup or shutdown handlers, and uvicorn's lifespan task,
+    # cancelled by Ctrl-C, logged a traceback on every stop
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off")
+    return uvicorn.Server(config)
+
+
 def _kv_tls(args: argparse.Namespace) -> Any:
     """The KV channel's TLS files, or None for plaintext. Raises SystemExit on a bad combination."""
     if not (args.kv_tls_cert or args.kv_tls_key or args.kv_tls_ca):
@@ -252,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://{settings.host}:{settings.port}"
         print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
         print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
-        # lifespan off: the app has no startup or shutdown handlers, and uvicorn's lifespan task,
-        # cancelled by Ctrl-C, logged a traceback on every stop
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off")
+        server = http_server(app, settings)
+        server.run()
+        if not server.started:  # uvicorn logged why: the port taken since it was checked, say
+            return 1
     finally:
         stop.set()
         print("tandem: shutting down ...", flush=True)

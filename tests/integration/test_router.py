@@ -7,6 +7,7 @@ One cluster and one router for the module; tests that resize pools put them back
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from engine.engine import Engine
 from engine.kv_cache import prefix_hashes
 from router.app import create_app
 from router.backend import ClusterBackend
+from router.server import http_server
 from router.settings import RouterSettings
 from router.tracing import new_provider
 from tests.integration.otlp_collector import Collector, Received, otlp_collector
@@ -180,6 +182,41 @@ def test_disconnect_mid_stream_frees_kv_on_both_workers(url: str, model: str, cl
     assert time.monotonic() - t < 1.0
     cluster.check_integrity()
     until(lambda: all(w.get("free_blocks") == w.get("num_blocks") for w in cluster.workers()), 5, "heartbeats")
+
+
+def test_a_stopping_router_finishes_the_answers_in_flight(model: str, cluster: Cluster) -> None:
+    """SIGTERM or Ctrl-C on `tandem serve` (its server, router.server.http_server): no new
+    connection is taken, the stream in flight ends whole, then the server returns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = RouterSettings(port=port)
+    server = http_server(create_app(ClusterBackend(cluster), settings), settings)
+    thread = threading.Thread(target=server.run, name="uvicorn-stopping", daemon=True)
+    thread.start()
+    until(lambda: server.started, 30, "uvicorn to start")
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    body = {"model": model, "messages": QUESTION, "max_tokens": 48, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+        until(refused, 10, "the router to stop taking connections")
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 48
+    thread.join(30)
+    assert not thread.is_alive()
+    cluster.check_integrity()
 
 
 def test_admin_scales_pools_and_cache_aware_routing(
