@@ -19,6 +19,7 @@ nothing, and the read times out after `wait_s + frozen_s`, as the Ray call did.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import secrets
@@ -71,7 +72,8 @@ class FeedListener:
         self.accept_s = accept_s
         self._lock = threading.Lock()
         self._waiting: dict[bytes, Future[socket.socket]] = {}
-        threading.Thread(target=self._accept, name="feed-listener", daemon=True).start()
+        self._thread = threading.Thread(target=self._accept, name="feed-listener", daemon=True)
+        self._thread.start()
 
     def expect(self) -> tuple[bytes, Future[socket.socket]]:
         token = secrets.token_bytes(TOKEN_BYTES)
@@ -85,7 +87,12 @@ class FeedListener:
             self._waiting.pop(token, None)
 
     def close(self) -> None:
+        """Stop listening. Closing alone does not wake a thread blocked in accept() on Linux (it
+        stayed there for the life of the process); shutting the socket down first does."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        self._thread.join(timeout=5.0)
 
     def _accept(self) -> None:
         while True:

@@ -126,6 +126,19 @@ def test_a_connection_without_the_token_is_closed_unread(listener: FeedListener)
     listener.forget(token)
 
 
+def test_closing_the_listener_ends_its_thread_and_refuses_connections() -> None:
+    def listening() -> int:
+        return sum(t.name == "feed-listener" for t in threading.enumerate())
+
+    before = listening()
+    lst = FeedListener("127.0.0.1", "127.0.0.1")
+    assert listening() == before + 1
+    lst.close()
+    assert listening() == before  # a bare close() left it blocked in accept() for good
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(lst.address, timeout=2)
+
+
 def test_a_worker_that_cannot_connect_back_is_read_through_the_fallback(listener: FeedListener) -> None:
     def attach(handle: Any, subscriber: str, address: tuple[str, int], token: bytes, wait_s: float) -> None:
         raise ConnectionRefusedError("no route to the router")
