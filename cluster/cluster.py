@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
@@ -28,6 +28,7 @@ from cluster.inventory import node_resources
 from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
+from cluster.shutdown import Outcome, Step, run_steps
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
 from cluster.worker_actors import kill_workers
@@ -277,26 +278,22 @@ class Cluster:
             self.ledger.end(rid)
             raise
 
-    def shutdown(self, kill_manager: bool = True) -> None:
+    def shutdown(self, kill_manager: bool = True) -> Outcome:
         """Stop what this Cluster started: the pool manager and its workers (unless only
         joined), the embedded Redis, local Ray. Every step is bounded and runs even if an
-        earlier one failed (Redis or Ray may already be gone on Ctrl-C)."""
-        steps: list[Callable[[], object]] = [self.view.stop, self.feeds.shutdown]
+        earlier one failed (Redis or Ray may already be gone: see cluster.shutdown)."""
+        steps = [Step("routing view", self.view.stop), Step("token feeds", self.feeds.shutdown)]
         if kill_manager:
             steps += [
-                lambda: ray.get(self.manager.shutdown.remote(), timeout=20),
-                lambda: ray.kill(self.manager),
-                lambda: kill_workers(self.config.namespace),  # detached: any the manager left
-                lambda: self.state.ping() and self.state.flush_namespace(),
+                Step("pool manager", lambda: ray.get(self.manager.shutdown.remote(), timeout=20), 25.0, ray=True),
+                Step("pool manager kill", lambda: ray.kill(self.manager), ray=True),
+                Step("worker kill", lambda: kill_workers(self.config.namespace), ray=True),  # any the manager left
+                Step("namespace flush", lambda: self.state.ping() and self.state.flush_namespace()),
             ]
-        steps += [self.state.close, self._fast_state.close]
+        steps += [Step("state", self.state.close), Step("fast state", self._fast_state.close)]
         if self._redis is not None:
-            steps.append(self._redis.stop)
+            steps.append(Step("redis-server", self._redis.stop))
         if self.owns_ray:
-            steps.append(ray.shutdown)
-        steps.append(in_place.sweep)  # the shared KV caches of this host's killed decode workers
-        for step in steps:
-            try:
-                step()
-            except Exception as e:
-                log.warning("shutdown step failed: %s", e)
+            steps.append(Step("ray", ray.shutdown, ray=True))
+        steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
+        return run_steps(steps)

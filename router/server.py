@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -162,6 +163,17 @@ def http_server(app: Any, settings: RouterSettings) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
+def absorb_stop_signals() -> None:
+    """Make SIGINT and SIGTERM do nothing outside uvicorn's own handling. uvicorn handles them
+    while it serves, and on its way out raises each again for the handler it found: Ray's init
+    leaves one for SIGTERM that calls sys.exit(15), and Python's default for SIGINT raises
+    KeyboardInterrupt. A stop by `systemctl stop` ended with status 15, which systemd counts as a
+    failure, and went through Ray's exit hook. A stop asked for is a clean stop. Call this from
+    the main thread, just before `run()`."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+
+
 def _kv_tls(args: argparse.Namespace) -> Any:
     """The KV channel's TLS files, or None for plaintext. Raises SystemExit on a bad combination."""
     if not (args.kv_tls_cert or args.kv_tls_key or args.kv_tls_ca):
@@ -262,15 +274,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
         print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
         server = http_server(app, settings)
+        absorb_stop_signals()
         server.run()
-        if not server.started:  # uvicorn logged why: the port taken since it was checked, say
-            return 1
+        code = 0 if server.started else 1  # not started: uvicorn logged why (the port taken since, say)
     finally:
         stop.set()
         print("tandem: shutting down ...", flush=True)
-        cluster.shutdown(kill_manager=not joined)
+        outcome = cluster.shutdown(kill_manager=not joined)
         print("tandem: stopped", flush=True)
-    return 0
+    if not outcome.ray_answered:
+        _exit_past_ray(code)
+    return code
+
+
+def _exit_past_ray(code: int) -> None:
+    """Exit now, without the interpreter's exit hooks: Ray stopped answering during shutdown
+    (its raylet and GCS killed with this process's group, say). Its own exit hook would wait on
+    them again, 8 s more; and unhooked, finalizing the interpreter under its stuck core worker
+    segfaulted. Ray's reaper takes any of its processes left."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
