@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
@@ -71,8 +71,10 @@ class Cluster:
         ).start()
 
     @classmethod
-    def connect(cls, config: ClusterConfig | None = None) -> Cluster:
-        """Join RAY_ADDRESS / REDIS_URL when set; otherwise start local Ray and an embedded Redis."""
+    def connect(cls, config: ClusterConfig | None = None, on_ray_started: Callable[[], None] | None = None) -> Cluster:
+        """Join RAY_ADDRESS / REDIS_URL when set; otherwise start local Ray and an embedded Redis.
+        `on_ray_started` runs on this thread right after ray.init: its core worker has just put
+        in C-level signal handlers of its own (SIGTERM: log a stack, abort)."""
         from engine.model_files import default_model_path
 
         config = config or ClusterConfig()
@@ -85,6 +87,8 @@ class Cluster:
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
                 ray.init(resources=node_resources(), include_dashboard=False, log_to_driver=False)
+            if on_ray_started is not None:
+                on_ray_started()
         redis = None
         url = os.environ.get("REDIS_URL", "")
         if not url:
@@ -150,8 +154,10 @@ class Cluster:
             return None
         return cast("ManagerStatus", status)
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        """Block until every desired worker is up and registered. Raises TimeoutError."""
+    def wait_ready(self, timeout: float = 180.0, stop: threading.Event | None = None) -> bool:
+        """Block until every desired worker is up and registered (True), or `stop` is set
+        (False). Raises TimeoutError."""
+        pause = stop or threading.Event()
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             desired = self.state.desired()
@@ -160,8 +166,9 @@ class Cluster:
                 r: sum(1 for w in ws if w["role"] == r and w["state"] == "up" and "free_blocks" in w) for r in desired
             }
             if all(up[r] >= n for r, n in desired.items()) and sum(desired.values()) > 0:
-                return
-            time.sleep(0.25)
+                return True
+            if pause.wait(0.25):
+                return False
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")
 
     @property

@@ -11,14 +11,13 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any
 
 import uvicorn
 
-from router import autoscale_flags
+from router import autoscale_flags, stopping
 from router.port_check import PortUnavailable, check_port_free
 from router.settings import RouterSettings
 
@@ -163,17 +162,6 @@ def http_server(app: Any, settings: RouterSettings) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def absorb_stop_signals() -> None:
-    """Make SIGINT and SIGTERM do nothing outside uvicorn's own handling. uvicorn handles them
-    while it serves, and on its way out raises each again for the handler it found: Ray's init
-    leaves one for SIGTERM that calls sys.exit(15), and Python's default for SIGINT raises
-    KeyboardInterrupt. A stop by `systemctl stop` ended with status 15, which systemd counts as a
-    failure, and went through Ray's exit hook. A stop asked for is a clean stop. Call this from
-    the main thread, just before `run()`."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: None)
-
-
 def _kv_tls(args: argparse.Namespace) -> Any:
     """The KV channel's TLS files, or None for plaintext. Raises SystemExit on a bad combination."""
     if not (args.kv_tls_cert or args.kv_tls_key or args.kv_tls_ca):
@@ -203,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.cluster import Cluster, ClusterConfig
     from engine.config import EngineConfig
     from engine.torch_threads import threads_per_worker
-    from router.app import create_app
-    from router.backend import ClusterBackend
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = RouterSettings.from_env(
@@ -253,49 +239,65 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.transport}) ...",
         flush=True,
     )
-    cluster = Cluster.connect(config)
-    joined = not cluster.owns_ray
-    stop = threading.Event()
+    signals = stopping.StartSignals()
+    signals.listen()
     try:
-        threading.Thread(target=_progress, args=(cluster, stop, started), daemon=True).start()
-        cluster.wait_ready()
-        stop.set()
-        stop = threading.Event()
-        if joined:
-            threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
-        backend = ClusterBackend(cluster, settings.routing_policy)
-        app = create_app(backend, settings)
-        if autoscale is not None:
-            from router import autoscaler
-
-            autoscaler.start(args, autoscale, backend, app.state.dispatcher.window, stop)
-            print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
-        url = f"http://{settings.host}:{settings.port}"
-        print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
-        print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
-        server = http_server(app, settings)
-        absorb_stop_signals()
-        server.run()
-        code = 0 if server.started else 1  # not started: uvicorn logged why (the port taken since, say)
+        cluster = Cluster.connect(config, on_ray_started=signals.listen)  # Ray put its own SIGTERM handler in
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        print("tandem: stopped", flush=True)  # SIGTERM inside ray.init, through its handler; Ray's exit hook stops it
+        return 0
+    joined = not cluster.owns_ray
+    loaded, stop = threading.Event(), threading.Event()  # stop: ends the Ray-watch and autoscaler threads
+    code = 0
+    try:
+        threading.Thread(target=_progress, args=(cluster, loaded, started), daemon=True).start()
+        if cluster.wait_ready(stop=signals.requested):
+            loaded.set()
+            code = _route(cluster, settings, args, autoscale, started, stop, signals)
     finally:
+        stopping.absorb_stop_signals()
+        loaded.set()
         stop.set()
         print("tandem: shutting down ...", flush=True)
         outcome = cluster.shutdown(kill_manager=not joined)
         print("tandem: stopped", flush=True)
     if not outcome.ray_answered:
-        _exit_past_ray(code)
+        stopping.exit_past_ray(code)
     return code
 
 
-def _exit_past_ray(code: int) -> None:
-    """Exit now, without the interpreter's exit hooks: Ray stopped answering during shutdown
-    (its raylet and GCS killed with this process's group, say). Its own exit hook would wait on
-    them again, 8 s more; and unhooked, finalizing the interpreter under its stuck core worker
-    segfaulted. Ray's reaper takes any of its processes left."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def _route(
+    cluster: Any,
+    settings: RouterSettings,
+    args: argparse.Namespace,
+    autoscale: autoscale_flags.AutoscaleConfig | None,
+    started: float,
+    stop: threading.Event,
+    signals: stopping.StartSignals,
+) -> int:
+    """Serve the API until a stop signal; 1 if the port could not be bound after all."""
+    from router.app import create_app
+    from router.backend import ClusterBackend
+
+    if not cluster.owns_ray:
+        threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
+    backend = ClusterBackend(cluster, settings.routing_policy)
+    app = create_app(backend, settings)
+    if autoscale is not None:
+        from router import autoscaler
+
+        autoscaler.start(args, autoscale, backend, app.state.dispatcher.window, stop)
+        print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
+    url = f"http://{settings.host}:{settings.port}"
+    print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
+    print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
+    server = http_server(app, settings)
+    if signals.requested.is_set():  # since the cluster was ready
+        return 0
+    server.run()  # uvicorn takes the signals while it serves, and on its way out raises each again
+    return 0 if server.started else 1  # not started: uvicorn logged why (the port taken since, say)
 
 
 if __name__ == "__main__":

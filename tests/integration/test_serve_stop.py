@@ -11,7 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -50,30 +53,33 @@ def ready(url: str, proc: subprocess.Popen[str]) -> bool:
         return False
 
 
-def test_a_whole_process_group_sigterm_stops_serve_cleanly(tmp_path: Path) -> None:
+@dataclass
+class Serve:
+    proc: subprocess.Popen[str]
+    url: str
+    log: IO[str]
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stopped_cleanly(self, code: int) -> None:
+        until(lambda: not in_session(self.proc.pid), 30, "every process of the service to be gone")
+        out = self.output()
+        assert code == 0, out[-3000:]
+        assert "tandem: stopped" in out and "Traceback" not in out, out[-3000:]
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """`tandem serve --colocated 1` in a session of its own, with a Ray of its own."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log = (tmp_path / "serve.log").open("w+")
     cmd = [sys.executable, "-m", "cli.main", "serve", "--colocated", "1", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, text=True, start_new_session=True)
     try:
-        until(lambda: ready(url, proc), READY_S, "tandem serve to be ready")
-        assert (
-            httpx.post(
-                f"{url}/v1/chat/completions",
-                json={
-                    "model": "SmolLM2-135M-Instruct",
-                    "messages": [{"role": "user", "content": "Hi"}],
-                    "max_tokens": 4,
-                },
-                timeout=60,
-            ).status_code
-            == 200
-        )
-        os.killpg(proc.pid, signal.SIGTERM)  # systemd's KillMode=control-group
-        code = proc.wait(timeout=STOP_S)
-        until(lambda: not in_session(proc.pid), 30, "every process of the service to be gone")
+        yield Serve(proc, f"http://127.0.0.1:{port}", log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -81,7 +87,22 @@ def test_a_whole_process_group_sigterm_stops_serve_cleanly(tmp_path: Path) -> No
         for pid in in_session(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    log.seek(0)
-    out = log.read()
-    assert code == 0, out[-3000:]
-    assert "tandem: stopped" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_a_whole_process_group_sigterm_stops_serve_cleanly(tmp_path: Path) -> None:
+    with serve(tmp_path) as s:
+        until(lambda: ready(s.url, s.proc), READY_S, "tandem serve to be ready")
+        chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        os.killpg(s.proc.pid, signal.SIGTERM)  # systemd's KillMode=control-group
+        s.stopped_cleanly(s.proc.wait(timeout=STOP_S))
+
+
+def test_a_sigterm_while_the_workers_load_stops_serve_cleanly(tmp_path: Path) -> None:
+    """Once Ray is up, its core worker's own SIGTERM handler aborted the process (exit 134)."""
+    with serve(tmp_path) as s:
+        until(lambda: "Started a local Ray instance" in s.output(), READY_S, "Ray to start")
+        assert s.proc.poll() is None and "ready in" not in s.output()
+        s.proc.send_signal(signal.SIGTERM)
+        s.stopped_cleanly(s.proc.wait(timeout=STOP_S))
+        assert "ready in" not in s.output()  # it stopped loading, not serving

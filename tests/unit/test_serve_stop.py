@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from router.server import absorb_stop_signals, http_server
+from router.server import http_server
 from router.settings import RouterSettings
+from router.stopping import StartSignals
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -56,6 +57,15 @@ def test_a_stop_signal_returns_from_run_past_the_handler_found(restore_handlers:
         port = s.getsockname()[1]
     server = http_server(app, RouterSettings(port=port))
     threading.Thread(target=signal_once_serving, args=(port, sig), daemon=True).start()
-    absorb_stop_signals()
-    server.run()  # without absorb_stop_signals: SystemExit(15), or KeyboardInterrupt
+    signals = StartSignals()
+    signals.listen()  # as tandem serve does from its start on
+    server.run()  # with the handlers found: SystemExit(15), or KeyboardInterrupt
     assert server.started
+    assert signals.requested.is_set()  # uvicorn raised it again on its way out
+
+
+def test_a_stop_signal_while_starting_is_recorded_not_raised(restore_handlers: None) -> None:
+    signals = StartSignals()
+    signals.listen()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.requested.wait(5)  # and nothing was raised here, nor inside a Ray call
