@@ -5,10 +5,10 @@
   handler of its own that logs a stack and aborts (exit 134, for a `systemctl stop` during
   the load), so the handlers go in again once Ray is up.
 - While uvicorn serves, it handles them (a graceful stop), and on its way out raises each again
-  for the handler it found, the one `StartSignals` put in, which raises nothing, so the stop goes on to the
-  cluster's shutdown and the process exits 0: a stop asked for is a clean stop. (Ray's init
-  left a SIGTERM handler that calls sys.exit(15): a `systemctl stop` ended with status 15,
-  which systemd counts as a failure, and through Ray's exit hook.)
+  for the handler it found: `StartSignals`' one, which raises nothing, so the stop goes on to
+  the cluster's shutdown and the process exits 0, as a stop asked for should. (Ray's init
+  leaves a SIGTERM handler that calls sys.exit(15): a `systemctl stop` ended with status 15,
+  which systemd counts as a failure, and went through Ray's exit hook.)
 - During the shutdown, they do nothing (`absorb_stop_signals()`); every step of it is bounded
   (cluster/shutdown.py).
 - If Ray stopped answering during the shutdown, `exit_past_ray()` leaves at once.

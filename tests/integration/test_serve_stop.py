@@ -1,7 +1,8 @@
 """`tandem serve` stopped the way systemd stops a service: SIGTERM to every process of its
 group at once, so Ray's raylet and GCS die beside it and Ray stops answering its shutdown.
 It used to wait 90 s on Ray's client and die with a fatal error; every shutdown step is now
-bounded (cluster/shutdown.py), so it exits 0 and leaves no process behind."""
+bounded (cluster/shutdown.py), so it exits 0 and leaves no process behind. And a SIGTERM
+while the workers load stops the start, also with 0 (router/stopping.py)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
         for pid in in_session(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        log.close()
 
 
 def test_a_whole_process_group_sigterm_stops_serve_cleanly(tmp_path: Path) -> None:
