@@ -18,7 +18,7 @@ from cluster.routing import (
     plan_route,
     prefill_eta,
 )
-from router.server import parse
+from router.serve_args import parse
 from router.settings import RouterSettings
 
 

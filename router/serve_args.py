@@ -1,0 +1,108 @@
+"""`tandem serve`: start (or join) the cluster, show progress, then serve the router with uvicorn.
+
+Alone it starts local Ray, an embedded redis-server, the pool manager with the workers,
+and the router on 127.0.0.1:8000. With RAY_ADDRESS / REDIS_URL set (or --join) it joins
+them instead. Ctrl-C or SIGTERM stops the router, then everything this command started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from router import autoscale_flags
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
+    ap.add_argument("--model", default=env("TANDEM_MODEL", ""), help="GGUF file or HF dir (default: bundled SmolLM2)")
+    ap.add_argument("--served-model-name", default="", help="the `model` clients send (default: from the file)")
+    ap.add_argument("--host", default=env("TANDEM_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=_port, default=env("TANDEM_PORT", "8000"))  # a str default goes through type
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers")
+    ap.add_argument(
+        "--colocated",
+        nargs="?",
+        type=int,
+        const=1,
+        default=0,
+        help="serve with N colocated workers instead of P/D (for comparison)",
+    )
+    ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=["auto", "bf16", "fp32", "fp16", "int8"])
+    ap.add_argument(
+        "--kv-dtype",
+        default=env("TANDEM_KV_DTYPE", "auto"),
+        choices=["auto", "fp32", "bf16", "fp16", "int8", "fp8"],  # engine.kv_codec.KV_DTYPES, without importing torch
+        help="how KV caches store keys and values, and what P/D moves: auto = as the activations; int8/fp8: "
+        "per-token-head scaled codes, about a quarter of fp32's bytes (lossy: see the README)",
+    )
+    ap.add_argument("--transport", default=env("TANDEM_TRANSPORT", "grpc"), choices=["grpc", "shm", "auto"])
+    ap.add_argument(
+        "--device",
+        default=env("TANDEM_DEVICE", "cpu"),
+        choices=["cpu", "cuda", "auto"],
+        help="what workers compute on: cuda claims one GPU a worker from Ray (bf16; see the README's GPU "
+        "section, not yet run on a GPU); auto: cuda where the worker finds one, claiming none",
+    )
+    ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    chunk_help = "tokens of one prompt a step (so short prompts pass long ones); default 512 on CPU, 0: whole budget"
+    ap.add_argument("--max-prefill-chunk", type=int, default=None, help=chunk_help)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0: this host's cores split among its workers; with --join, all cores)",
+    )
+    ap.add_argument("--namespace", default=env("TANDEM_NAMESPACE", "default"))
+    ap.add_argument(
+        "--admin-token", default=env("TANDEM_ADMIN_TOKEN", ""), help="enables /admin (or TANDEM_ADMIN_TOKEN)"
+    )
+    ap.add_argument("--allow-loopback-admin", action="store_true")
+    ap.add_argument("--colocate-below", type=int, default=0, help="uncached prompt tokens under which to skip P/D")
+    ap.add_argument(
+        "--local-below",
+        type=int,
+        default=None,
+        help="tokens a decode worker lacks of a prompt whose prefix it holds, under which it runs it whole "
+        "(0: off; default: RoutingPolicy's)",
+    )
+    ap.add_argument(
+        "--spill-streams",
+        type=int,
+        default=None,
+        help="streams a decode worker has over an idle prefill worker from which a short prompt runs whole "
+        "on the prefill worker (0: off; default: RoutingPolicy's)",
+    )
+    ap.add_argument(
+        "--no-cross-pool",
+        action="store_true",
+        help="fail a request (503) rather than run it whole on the other P/D pool when its own has no live worker",
+    )
+    ap.add_argument(
+        "--speculative",
+        default=env("TANDEM_SPECULATIVE", "suffix"),
+        choices=["off", "ngram", "suffix"],
+        help="decode and colocated workers verify drafts each step, as many as pay at the step's load: ngram = "
+        "prompt lookup, suffix (default) = that and the worker's recent outputs; the same tokens as off where a "
+        "row's result does not depend on its step (fp32; int8 with AVX512-VNNI)",
+    )
+    ap.add_argument(
+        "--write-back",
+        action="store_true",
+        help="after each P/D turn, copy the answer's KV from the decode worker to the prefill worker's cache",
+    )
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
+    ap.add_argument("--kv-tls-cert", default=env("TANDEM_KV_TLS_CERT"), help="PEM certificate: TLS on the KV channel")
+    ap.add_argument("--kv-tls-key", default=env("TANDEM_KV_TLS_KEY"), help="PEM private key of --kv-tls-cert")
+    ap.add_argument("--kv-tls-ca", default=env("TANDEM_KV_TLS_CA"), help="PEM CA: verify peers (mutual TLS)")
+    autoscale_flags.add_arguments(ap)
+    return ap.parse_args(argv)
