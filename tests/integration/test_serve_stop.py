@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,17 +19,11 @@ from typing import IO
 import httpx
 
 from tests.integration.waits import until
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_S = 180.0  # a cold start here: ~15 s
 STOP_S = 60.0  # measured 10.6-12.2 s; the hang it replaced lasted ~90 s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def in_session(sid: int) -> list[int]:

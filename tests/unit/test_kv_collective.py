@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from kv_transfer.server import KVTransferServer
 from kv_transfer.streaming import LayerStreamer
 from kv_transfer.wire import checksum, frame, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
+from tests.ports import free_port
 from tests.unit.tiny import TINY, make_engine, tiny_weights
 
 NUM_BLOCKS = 64
@@ -39,12 +39,6 @@ SECRET = "test-cluster-secret"  # the tests Reserve over gRPC, which needs it
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 CHUNK = (1, 2, 2, 4, 2, 16)  # one layer of two blocks: [layers, 2, blocks, block_size, kv_heads, head_dim]
 SPAWN = mp.get_context("spawn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the decode process --------------------------------------------------------------------

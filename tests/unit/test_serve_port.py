@@ -14,6 +14,7 @@ import ray
 
 from router.port_check import PortUnavailable, check_port_free
 from router.server import main
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,13 +26,6 @@ def listening() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock.getsockname()[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_a_listening_port_is_taken(listening: int) -> None:

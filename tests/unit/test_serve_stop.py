@@ -18,6 +18,7 @@ import pytest
 from router.server import http_server
 from router.settings import RouterSettings
 from router.stopping import StartSignals
+from tests.ports import free_port
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -52,9 +53,7 @@ def signal_once_serving(port: int, sig: int) -> None:
 def test_a_stop_signal_returns_from_run_past_the_handler_found(restore_handlers: None, sig: int) -> None:
     signal.signal(signal.SIGTERM, ray_like_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = http_server(app, RouterSettings(port=port))
     threading.Thread(target=signal_once_serving, args=(port, sig), daemon=True).start()
     signals = StartSignals()
