@@ -43,7 +43,8 @@ integration: setup $(BROWSER)
 	$(BIN)/pytest -q tests/integration
 
 test: lint typecheck $(BROWSER)
-	$(BIN)/pytest -q tests/unit tests/integration
+	# the slowest tests, named in every CI log: the suite has a 20-minute budget
+	$(BIN)/pytest -q --durations=30 tests/unit tests/integration
 
 # the GPU suite (issue 16): on a machine with a CUDA torch wheel and a GPU; skipped, and
 # reported as skipped (-rs), without one
