@@ -1,7 +1,7 @@
 """Cluster: connect to (or start) Ray, Redis and the pool manager; scale, drain, status, generate.
 
 Cluster.connect()            local Ray + embedded redis-server + 1 prefill + 1 decode worker
-cluster.route(ids, p)        where a request would run: the view (no Redis wait) + the ledger
+cluster.route(ids, p)        where a request would run (cluster.placer: the view and the ledger)
 cluster.generate(ids, p)     prefill -> KV transfer -> decode (or the whole request on one worker:
                              a local or colocated route), as a RequestRun of outputs
                              (cluster.handoff owns one attempt; cluster.request_run the failover)
@@ -25,15 +25,14 @@ from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
 from cluster.inflight import InflightLedger
 from cluster.inventory import node_resources
+from cluster.placer import NoWorkerError, Placer
 from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun, WorkerDiedError
-from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
+from cluster.routing import Route, RoutingPolicy
 from cluster.shutdown import Outcome, Step, run_steps
 from cluster.state import ClusterState
-from cluster.view import ClusterView, ViewRefresher
+from cluster.view import ViewRefresher
 from cluster.worker_actors import kill_workers
-from engine.errors import EngineError
-from engine.kv_cache import prefix_hashes
 from engine.roles import ROLES
 from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
@@ -48,10 +47,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
 
 
-class NoWorkerError(EngineError):
-    """No worker of the needed role is up (or none has room)."""
-
-
 class Cluster:
     def __init__(self, config: ClusterConfig, state_url: str, redis: EmbeddedRedis | None, own_ray: bool) -> None:
         self.config = config
@@ -64,11 +59,11 @@ class Cluster:
         self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
         self.ledger = InflightLedger()
         self.feeds = Feeds()
-        self._route_lock = threading.Lock()
         # workers that left stop counting in the ledger (their streams fail over on their own)
         self.view = ViewRefresher(
             self._fast_state.workers, self._manager_handles, on_refresh=lambda v: self.ledger.reconcile(v.handles)
         ).start()
+        self.placer = Placer(self.view, self.ledger, self._fast_state, config.engine.block_size)
 
     @classmethod
     def connect(cls, config: ClusterConfig | None = None, on_ray_started: Callable[[], None] | None = None) -> Cluster:
@@ -197,49 +192,8 @@ class Cluster:
         exclude: frozenset[str] = frozenset(),
         policy: RoutingPolicy | None = None,
     ) -> Route:
-        """Where a request would run now (see cluster.routing.plan_route). Raises NoWorkerError."""
-        try:
-            return self._route(self.view.current(), prompt_ids, params, exclude, policy)
-        except NoWorkerError:  # a worker that just came up may be missing from a view 0.25 s old
-            return self._route(self.view.refresh(), prompt_ids, params, exclude, policy)
-
-    def _route(
-        self,
-        view: ClusterView,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        exclude: frozenset[str],
-        policy: RoutingPolicy | None,
-    ) -> Route:
-        live = view.live()
-        bs = self.config.engine.block_size
-        # prefill workers for the P/D route, decode workers for the local one (cluster.routing)
-        indexed = [w for w, info in live.items() if info.get("role") in ("prefill", "decode") and w not in exclude]
-        cached = self._cached_blocks(prompt_ids, indexed, view) if indexed else {}
-        with self._route_lock:  # plan and hold as one step, so that a burst sees each other's picks
-            loads = self.ledger.loads(live)
-            views = [WorkerView.of(wid, info, loads[wid]) for wid, info in live.items()]
-            route = plan_route(views, cached, len(prompt_ids), params.max_tokens, bs, policy, exclude)
-            if route is None:
-                raise NoWorkerError("no prefill + decode pair (or colocated worker) is up with room for this request")
-            blocks, uncached = self._cost(len(prompt_ids), params, route)
-            self.ledger.hold(route.decode, route.prefill, blocks, uncached)
-        return route
-
-    def _cost(self, prompt_tokens: int, params: SamplingParams, route: Route) -> tuple[int, int]:
-        """Blocks a request on `route` holds on its decode worker, tokens it queues for prefill."""
-        blocks = -(-(prompt_tokens + params.max_tokens) // self.config.engine.block_size)
-        return blocks, max(prompt_tokens - route.cached_tokens, 1)
-
-    def _cached_blocks(self, prompt_ids: Sequence[int], workers: list[str], view: ClusterView) -> dict[str, int]:
-        """The prefix index's answer, or nothing cached if Redis does not answer at once."""
-        hashes = prefix_hashes(list(prompt_ids), self.config.engine.block_size)
-        if not hashes or not view.state_ok:
-            return {}
-        try:
-            return self._fast_state.longest_prefix(hashes, workers)
-        except Exception:
-            return {}
+        """Where a request would run now (see cluster.placer). Raises NoWorkerError."""
+        return self.placer.route(prompt_ids, params, exclude, policy)
 
     def generate(
         self,
@@ -276,7 +230,7 @@ class Cluster:
     ) -> Attempt:
         """Start counting one attempt in the ledger; the Attempt takes it back on close()."""
         view = self.view.current()
-        blocks, uncached = self._cost(len(prompt), params, route)
+        blocks, uncached = self.placer.cost(len(prompt), params, route)
         self.ledger.begin(rid, route.decode, route.prefill, blocks, uncached)
         try:
             seam = Seam(self.ledger, self.feeds, self.config.waits, self.config.write_back)
