@@ -48,14 +48,17 @@ __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, state_url: str, redis: EmbeddedRedis | None, own_ray: bool) -> None:
+    def __init__(
+        self, config: ClusterConfig, state_url: str, redis: EmbeddedRedis | None, own_ray: bool, joined_ray: bool
+    ) -> None:
         self.config = config
         self.state_url = state_url
         self.state = ClusterState(state_url, config.namespace)
         # the request path's own client: it answers in a quarter second or not at all
         self._fast_state = ClusterState(state_url, config.namespace, socket_timeout_s=0.25, retries=0)
         self._redis = redis
-        self.owns_ray = own_ray
+        self.owns_ray = own_ray  # this Cluster called ray.init (and disconnects at shutdown)
+        self.joined_ray = joined_ray  # to a Ray cluster that was there before (RAY_ADDRESS)
         self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
         self.ledger = InflightLedger()
         self.feeds = Feeds()
@@ -77,8 +80,9 @@ class Cluster:
             config.model_path = str(default_model_path())
         ray_env()
         own_ray = not ray.is_initialized()
+        joined_ray = bool(os.environ.get("RAY_ADDRESS"))
         if own_ray:
-            if os.environ.get("RAY_ADDRESS"):
+            if joined_ray:
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
                 ray.init(resources=node_resources(), include_dashboard=False, log_to_driver=False)
@@ -101,7 +105,7 @@ class Cluster:
             worker_env=config.worker_env,
         )  # fmt: skip
         ray.get(manager.__ray_ready__.remote(), timeout=MANAGER_START_S)
-        c = cls(config, url, redis, own_ray)
+        c = cls(config, url, redis, own_ray, joined_ray)
         for role in ("prefill", "decode", "colocated"):
             c.scale(role, getattr(config, role))
         return c
@@ -239,22 +243,23 @@ class Cluster:
             self.ledger.end(rid)
             raise
 
-    def shutdown(self, kill_manager: bool = True) -> Outcome:
-        """Stop what this Cluster started: the pool manager and its workers (unless only
-        joined), the embedded Redis, local Ray. Every step is bounded and runs even if an
-        earlier one failed (Redis or Ray may already be gone: see cluster.shutdown)."""
-        steps = [Step("routing view", self.view.stop), Step("token feeds", self.feeds.shutdown)]
-        if kill_manager:
-            steps += [
-                Step("pool manager", lambda: ray.get(self.manager.shutdown.remote(), timeout=20), 25.0, ray=True),
-                Step("pool manager kill", lambda: ray.kill(self.manager), ray=True),
-                Step("worker kill", lambda: kill_workers(self.config.namespace), ray=True),  # any the manager left
-                Step("namespace flush", lambda: self.state.ping() and self.state.flush_namespace()),
-            ]
+    def shutdown(self, ray_gone: bool = False) -> Outcome:
+        """Stop what this Cluster started: the pool manager and its workers, the embedded Redis,
+        local Ray. Every step is bounded and runs even if an earlier one failed (Redis or Ray
+        may already be gone: see cluster.shutdown). `ray_gone`: the Ray cluster is known to be
+        gone (a joined one brought down), and with it the manager and the workers: no Ray step."""
+        steps = [
+            Step("routing view", self.view.stop),
+            Step("token feeds", self.feeds.shutdown),
+            Step("pool manager", lambda: ray.get(self.manager.shutdown.remote(), timeout=20), 25.0, ray=True),
+            Step("pool manager kill", lambda: ray.kill(self.manager), ray=True),
+            Step("worker kill", lambda: kill_workers(self.config.namespace), ray=True),  # any the manager left
+            Step("namespace flush", lambda: self.state.ping() and self.state.flush_namespace()),
+        ]
         steps += [Step("state", self.state.close), Step("fast state", self._fast_state.close)]
         if self._redis is not None:
             steps.append(Step("redis-server", self._redis.stop))
         if self.owns_ray:
             steps.append(Step("ray", ray.shutdown, ray=True))
         steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
-        return run_steps(steps)
+        return run_steps(steps, ray_gone)

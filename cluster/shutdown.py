@@ -5,7 +5,8 @@ gone (SIGTERM to a whole process group, as `systemctl stop` sends it, or a `ray 
 listing the named actors waited until the GCS client gave up after 60 s and the process died
 with a fatal error. So every step runs on a thread of its own, waited for up to its bound; a
 Ray step that does not return in time is left behind, and the Ray steps after it are skipped
-(Ray does not answer: there is nothing left to stop through it).
+(Ray does not answer: there is nothing left to stop through it). A caller that already knows
+Ray is gone (a joined cluster brought down: router.ray_watch) skips them all.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ class Outcome:
     ray_answered: bool  # no Ray step was left behind
 
 
-def run_steps(steps: list[Step]) -> Outcome:
+def run_steps(steps: list[Step], ray_gone: bool = False) -> Outcome:
     """Run `steps` in order, each on a daemon thread waited for up to its bound. A failing step
-    is logged and the next one runs; see the module's docstring for Ray steps."""
+    is logged and the next one runs; see the module's docstring for Ray steps (`ray_gone`:
+    skip them from the first)."""
     done: list[str] = []
     left: list[str] = []
     skipped: list[str] = []
-    ray_gone = False
     for step in steps:
         if step.ray and ray_gone:
             skipped.append(step.name)

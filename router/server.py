@@ -5,6 +5,7 @@ uvicorn; stop it all on Ctrl-C or SIGTERM (router/stopping.py). Its flags: route
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import uvicorn
 
 from router import autoscale_flags, stopping
 from router.port_check import PortUnavailable, check_port_free
+from router.ray_watch import RayWatch, gcs_reachable
 from router.serve_args import parse
 from router.settings import RouterSettings
 
@@ -39,21 +41,16 @@ def _progress(cluster: Any, done: threading.Event, started: float) -> None:
             last = line
 
 
-def _watch_ray(stop: threading.Event) -> None:
-    """In join mode: if the Ray cluster goes away (ray down), stop serving."""
+def _watch_ray(stop: threading.Event) -> RayWatch:
+    """In join mode: once the Ray cluster is gone (`ray down`), stop serving (router.ray_watch)."""
     import ray
 
-    misses = 0
-    while not stop.wait(2.0):
-        try:
-            ray.cluster_resources()  # type: ignore[no-untyped-call]
-            misses = 0
-        except Exception:
-            misses += 1
-        if misses >= 3:
-            print("the Ray cluster is gone; stopping", flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+    def gone() -> None:
+        print("the Ray cluster is gone; stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    address = ray.get_runtime_context().gcs_address
+    return RayWatch(functools.partial(gcs_reachable, address)).start(stop, gone)
 
 
 def http_server(app: Any, settings: RouterSettings) -> uvicorn.Server:
@@ -151,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("tandem: stopped", flush=True)  # SIGTERM inside ray.init, through its handler; Ray's exit hook stops it
         return 0
-    joined = not cluster.owns_ray
     loaded, stop = threading.Event(), threading.Event()  # stop: ends the Ray-watch and autoscaler threads
+    watch = _watch_ray(stop) if cluster.joined_ray else None
     code = 0
     try:
         threading.Thread(target=_progress, args=(cluster, loaded, started), daemon=True).start()
@@ -164,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded.set()
         stop.set()
         print("tandem: shutting down ...", flush=True)
-        outcome = cluster.shutdown(kill_manager=not joined)
+        outcome = cluster.shutdown(ray_gone=watch is not None and watch.gone.is_set())
         print("tandem: stopped", flush=True)
     if not outcome.ray_answered:
         stopping.exit_past_ray(code)
@@ -184,8 +181,6 @@ def _route(
     from router.app import create_app
     from router.backend import ClusterBackend
 
-    if not cluster.owns_ray:
-        threading.Thread(target=_watch_ray, args=(stop,), daemon=True).start()
     backend = ClusterBackend(cluster, settings.routing_policy)
     app = create_app(backend, settings)
     if autoscale is not None:

@@ -1,5 +1,6 @@
 """cluster.shutdown.run_steps: every step bounded, a failing one logged and passed, and once a
-Ray step has not answered, the Ray steps after it skipped (nothing answers them either)."""
+Ray step has not answered (or Ray is known gone), the Ray steps after it skipped (nothing
+answers them either)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,13 @@ def test_a_slow_step_that_is_not_ray_is_left_behind_without_skipping_anything() 
     finally:
         hung.set()
     assert outcome == Outcome(done=("ray",), left_behind=("view",), skipped=(), ray_answered=True)
+
+
+def test_ray_known_gone_skips_every_ray_step_from_the_first() -> None:
+    ran: list[str] = []
+    outcome = run_steps(
+        [Step("kill actors", lambda: ran.append("kill"), ray=True), Step("redis-server", lambda: ran.append("redis"))],
+        ray_gone=True,
+    )
+    assert ran == ["redis"]
+    assert outcome == Outcome(done=("redis-server",), left_behind=(), skipped=("kill actors",), ray_answered=False)
