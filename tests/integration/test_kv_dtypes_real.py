@@ -28,10 +28,15 @@ def prompts(engine: Engine) -> list[list[int]]:
     return [tok.encode(t) for t in chats + RAW]
 
 
+@pytest.fixture(scope="module")
+def reference(engine_fp32: Engine) -> list[list[int]]:
+    """The fp32 cache's greedy tokens, once for every coded cache."""
+    return [r.token_ids for r in engine_fp32.generate(prompts(engine_fp32), GREEDY)]
+
+
 @pytest.mark.parametrize("kv_dtype", sorted(MIN_MEAN_PREFIX))
-def test_greedy_agreement_with_an_fp32_cache(engine_fp32: Engine, kv_dtype: str) -> None:
+def test_greedy_agreement_with_an_fp32_cache(engine_fp32: Engine, reference: list[list[int]], kv_dtype: str) -> None:
     ps = prompts(engine_fp32)
-    reference = [r.token_ids for r in engine_fp32.generate(ps, GREEDY)]
     coded = Engine(
         engine_fp32.model, engine_fp32.tokenizer, EngineConfig(dtype="fp32", num_blocks=512, kv_dtype=kv_dtype)
     )
