@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from cluster.pool_manager import ManagerStatus
 
 MANAGER = "tandem-pool-manager"
+MANAGER_PING_S = 2.0  # its ping answers in milliseconds, on its own thread, even mid-round
 MANAGER_START_S = 120.0  # a new manager's start (2-4 s here), awaited before the routing view's first read
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class Cluster:
         steps = [
             Step("routing view", self.view.stop),
             Step("token feeds", self.feeds.shutdown),
-            Step("pool manager", lambda: ray.get(self.manager.shutdown.remote(), timeout=20), 25.0, ray=True),
+            Step("pool manager", self._stop_manager, 25.0, ray=True),
             Step("pool manager kill", lambda: ray.kill(self.manager), ray=True),
             Step("worker kill", lambda: kill_workers(self.config.namespace), ray=True),  # any the manager left
             Step("namespace flush", lambda: self.state.ping() and self.state.flush_namespace()),
@@ -263,3 +264,10 @@ class Cluster:
             steps.append(Step("ray", ray.shutdown, ray=True))
         steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
         return run_steps(steps, ray_gone)
+
+    def _stop_manager(self) -> None:
+        """The pool manager's own shutdown (it kills its workers), once it answers a ping. A
+        frozen one raises here after MANAGER_PING_S, and the kill steps after this one take it
+        and its workers down instead (its shutdown call alone would wait 20 s)."""
+        ray.get(self.manager.ping.remote(), timeout=MANAGER_PING_S)
+        ray.get(self.manager.shutdown.remote(), timeout=20)

@@ -2,7 +2,8 @@
 group at once, so Ray's raylet and GCS die beside it and Ray stops answering its shutdown.
 It used to wait 90 s on Ray's client and die with a fatal error; every shutdown step is now
 bounded (cluster/shutdown.py), so it exits 0 and leaves no process behind. And a SIGTERM
-while the workers load stops the start, also with 0 (router/stopping.py)."""
+while the workers load stops the start, also with 0 (router/stopping.py). A frozen pool manager
+is killed rather than waited for."""
 
 from __future__ import annotations
 
@@ -11,19 +12,24 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import httpx
+import ray
 
+from cluster.cluster import MANAGER_PING_S, Cluster, ClusterConfig
+from engine.config import EngineConfig
 from tests.integration.waits import until
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_S = 180.0  # a cold start here: ~15 s
 STOP_S = 60.0  # measured 10.6-12.2 s; the hang it replaced lasted ~90 s
+FROZEN_MANAGER_STOP_S = MANAGER_PING_S + 8.0  # the kills after the ping: ~1 s; it used to take 20 s
 
 
 def in_session(sid: int) -> list[int]:
@@ -37,6 +43,15 @@ def in_session(sid: int) -> list[int]:
             except ProcessLookupError:
                 pass
     return pids
+
+
+def described(pids: list[int]) -> list[str]:
+    """`pid command line` for each of `pids` still there."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            out.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes().replace(bytes(1), b' ').decode()[:160]}")
+    return out
 
 
 def ready(url: str, proc: subprocess.Popen[str]) -> bool:
@@ -58,8 +73,11 @@ class Serve:
         return self.log.read()
 
     def stopped_cleanly(self, code: int) -> None:
-        until(lambda: not in_session(self.proc.pid), 30, "every process of the service to be gone")
         out = self.output()
+        try:
+            until(lambda: not in_session(self.proc.pid), 30, "every process of the service to be gone")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {described(in_session(self.proc.pid))}\n{out[-3000:]}") from None
         assert code == 0, out[-3000:]
         assert "tandem: stopped" in out and "Traceback" not in out, out[-3000:]
 
@@ -101,3 +119,31 @@ def test_a_sigterm_while_the_workers_load_stops_serve_cleanly(tmp_path: Path) ->
         s.proc.send_signal(signal.SIGTERM)
         s.stopped_cleanly(s.proc.wait(timeout=STOP_S))
         assert "ready in" not in s.output()  # it stopped loading, not serving
+
+
+def test_a_frozen_pool_manager_is_killed_not_waited_for() -> None:
+    """Cluster.shutdown with the pool manager SIGSTOPped: the ping before its shutdown call
+    gives up after MANAGER_PING_S, and the kill steps take it and its worker down. (Its
+    shutdown call alone waited 20 s.)"""
+    engine = EngineConfig(dtype="fp32", num_blocks=64, num_threads=1)
+    c = Cluster.connect(ClusterConfig(namespace="frozen-manager", prefill=0, decode=0, colocated=1, engine=engine))
+    namespace = f"tandem-{c.config.namespace}"
+    status = c.manager_status()
+    assert status is not None and status.pid
+    until(lambda: len(named(namespace)) == 2, 60, "the worker's actor beside the pool manager's")
+    os.kill(status.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        outcome = c.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(status.pid, signal.SIGCONT)
+    assert took < FROZEN_MANAGER_STOP_S, (took, outcome)
+    assert outcome.ray_answered and not outcome.left_behind, outcome
+    until(lambda: not named(namespace), 30, "the pool manager and its worker to be gone")
+
+
+def named(namespace: str) -> list[str]:
+    """The named actors alive in `namespace`."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
