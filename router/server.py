@@ -146,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise
-        print("tandem: stopped", flush=True)  # SIGTERM inside ray.init, through its handler; Ray's exit hook stops it
-        return 0
+        # SIGTERM inside ray.init, through the handler it put in: Ray is half up, and its exit
+        # hook aborted on that at times (exit 134). Stop it here, bounded, and exit past the hook.
+        import ray
+
+        from cluster.shutdown import Step, run_steps
+
+        run_steps([Step("ray", ray.shutdown, ray=True)])
+        print("tandem: stopped", flush=True)
+        stopping.exit_past_ray(0)
     loaded, stop = threading.Event(), threading.Event()  # stop: ends the Ray-watch and autoscaler threads
     watch = _watch_ray(stop) if cluster.joined_ray else None
     code = 0

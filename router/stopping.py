@@ -23,6 +23,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -52,7 +53,7 @@ def _handle(handler: Callable[[int, FrameType | None], None]) -> None:
             signal.signal(sig, handler)
 
 
-def exit_past_ray(code: int) -> None:
+def exit_past_ray(code: int) -> NoReturn:
     """Exit now, without the interpreter's exit hooks: Ray stopped answering during shutdown
     (its raylet and GCS killed with this process's group, say). Its own exit hook would wait on
     them again, 8 s more; and unhooked, finalizing the interpreter under its stuck core worker
