@@ -2,7 +2,8 @@
 
 Installs openssh-server and rsync (Debian), starts sshd on 127.0.0.1 only with a key that
 is accepted from 127.0.0.1 only, brings the cluster up, asks the router for a chat
-completion and the pools, brings it down, and checks no Ray process is left and the router stopped by itself, cleanly.
+completion and the pools, brings it down, and checks that no Ray process is left and that
+the router stopped by itself, cleanly.
 """
 
 from __future__ import annotations
