@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-GONE_AFTER_S = 10.0  # a GCS that restarts (fault-tolerant, on external Redis) is back sooner
+GONE_AFTER_S = 10.0  # a GCS back within this (restarted in place) stops nothing; Ray itself gives up at 60 s
 INTERVAL_S = 2.0
 CONNECT_S = 1.0
 
