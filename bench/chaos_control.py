@@ -1,17 +1,22 @@
 """The control plane dies, the data plane serves on: `tandem bench chaos` scenarios that kill
-the embedded Redis or the pool manager under load (real SIGKILLs). Streams talk to the workers
-directly, so none of them may lose a token, and new requests are served from the router's last
-view of the pools until the killed part is back.
+the embedded Redis or the pool manager under load (real SIGKILLs), or start and stop a second
+router over the same pools. Streams talk to the workers directly, so none of them may lose a
+token, and new requests are served from the router's last view of the pools until the killed
+part is back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
+from typing import Any
 
-from bench.chaos_client import Stream, run_streams
+from bench.chaos_client import ChatClient, Stream, run_streams
 from bench.chaos_harness import Chaos, ScenarioResult, outcome, same_answers, until
+from bench.harness import serving
+from cluster.cluster import Cluster
 
 
 def redis_kill(c: Chaos, n: int = 16) -> ScenarioResult:
@@ -88,4 +93,50 @@ def manager_kill(c: Chaos, n: int = 16) -> ScenarioResult:
         "same_workers": {wid: s["pid"] for wid, s in c.stats().items()} == before,
     }
     return outcome("pool manager SIGKILL", base, run, run, recovery_s=recovery, held_blocks=c.held_after_idle(),
+                   facts=facts)  # fmt: skip
+
+
+def second_router(c: Chaos, n: int = 8) -> ScenarioResult:
+    """n streams over 1P+1D; once half are under way, a second router joins the same pools (as a
+    router restarted on a shared cluster does), asked for 2P+2D, serves a request, and stops. It
+    must take the pools as they are (no worker started, the sizes in Redis unchanged), answer as
+    the first router does, and leave the pools running when it stops: the streams lose nothing."""
+    c.pools(prefill=1, decode=1)
+    prompts = c.prompts(n, "second-router")
+    base = run_streams(c.client, prompts)
+    before = {wid: s["pid"] for wid, s in c.stats().items()}
+    desired = c.cluster.state.desired()
+    probe = "A request through the second router: say hello."
+    facts: dict[str, Any] = {}
+    t_fault = 0.0
+
+    def fault(streams: list[Stream]) -> None:
+        nonlocal t_fault
+        until(lambda: sum(len(s.token_times) >= 2 for s in streams) >= n // 2, 120, "streams under way")
+        t_fault = time.monotonic()
+        config = dataclasses.replace(c.cluster.config, prefill=2, decode=2, keep_pools=True)
+        other = Cluster.connect(config, redis_url=c.cluster.state_url)
+        try:
+            facts["join_s"] = time.monotonic() - t_fault
+            facts["joined_pools"] = other.joined_pools
+            with serving(other) as url:
+                facts["probe"] = ChatClient(url, c.client.model, c.client.max_tokens).stream(probe)
+            other.check_integrity()
+        finally:
+            t_stop = time.monotonic()
+            stopped = other.shutdown()
+            facts["stop_s"] = time.monotonic() - t_stop
+            facts["stop_clean"] = not stopped.left_behind and not stopped.skipped
+
+    run = c.streamed_with(prompts, fault)
+    recovery = time.monotonic() - t_fault
+    via_second: Stream = facts.pop("probe")
+    facts |= {
+        **same_answers(base, run, c.client.max_tokens),
+        "probe_ok": via_second.completed,
+        "probe_same_text": via_second.text == c.client.stream(probe).text,
+        "same_workers": {wid: s["pid"] for wid, s in c.stats().items()} == before,
+        "same_sizes": c.cluster.state.desired() == desired,
+    }
+    return outcome("second router joins, leaves", base, run, run, recovery_s=recovery, held_blocks=c.held_after_idle(),
                    facts=facts)  # fmt: skip

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import httpx
 
 from bench.chaos_client import ChatClient, Stream, run_streams
-from bench.chaos_control import manager_kill, redis_kill
+from bench.chaos_control import manager_kill, redis_kill, second_router
 from bench.chaos_harness import Chaos, ScenarioResult, outcome, same_answers, until
 from bench.harness import serving
 from bench.stats import percentile
@@ -181,5 +181,6 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "decode-stop": decode_stop,
     "redis-kill": redis_kill,
     "manager-kill": manager_kill,
+    "second-router": second_router,
     "disconnect": disconnects,
 }

@@ -1,6 +1,7 @@
 """Cluster: connect to (or start) Ray, Redis and the pool manager; scale, drain, status, generate.
 
 Cluster.connect()            local Ray + embedded redis-server + 1 prefill + 1 decode worker
+                             (or the pools already running in its namespace: another router's)
 cluster.route(ids, p)        where a request would run (cluster.placer: the view and the ledger)
 cluster.generate(ids, p)     prefill -> KV transfer -> decode (or the whole request on one worker:
                              a local or colocated route), as a RequestRun of outputs
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
-from cluster.config import ClusterConfig, ray_env, role_config
+from cluster import manager_link
+from cluster.config import ClusterConfig, ray_env
 from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
 from cluster.inflight import InflightLedger
@@ -33,16 +35,12 @@ from cluster.shutdown import Outcome, Step, run_steps
 from cluster.state import ClusterState
 from cluster.view import ViewRefresher
 from cluster.worker_actors import kill_workers
-from engine.roles import ROLES
 from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
 
 if TYPE_CHECKING:
     from cluster.pool_manager import ManagerStatus
 
-MANAGER = "tandem-pool-manager"
-MANAGER_PING_S = 2.0  # its ping answers in milliseconds, on its own thread, even mid-round
-MANAGER_START_S = 120.0  # a new manager's start (2-4 s here), awaited before the routing view's first read
 log = logging.getLogger(__name__)
 
 __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
@@ -50,7 +48,14 @@ __all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
 
 class Cluster:
     def __init__(
-        self, config: ClusterConfig, state_url: str, redis: EmbeddedRedis | None, own_ray: bool, joined_ray: bool
+        self,
+        config: ClusterConfig,
+        state_url: str,
+        redis: EmbeddedRedis | None,
+        own_ray: bool,
+        joined_ray: bool,
+        manager: Any,
+        joined_pools: bool,
     ) -> None:
         self.config = config
         self.state_url = state_url
@@ -60,7 +65,10 @@ class Cluster:
         self._redis = redis
         self.owns_ray = own_ray  # this Cluster called ray.init (and disconnects at shutdown)
         self.joined_ray = joined_ray  # to a Ray cluster that was there before (RAY_ADDRESS)
-        self.manager = ray.get_actor(MANAGER, namespace=f"tandem-{config.namespace}")
+        self.joined_pools = joined_pools  # running before it: another router's, or this one's before a restart
+        # on a shared cluster the pools outlive any one router; a Redis of its own never outlives it
+        self.keeps_pools = (joined_ray if config.keep_pools is None else config.keep_pools) and redis is None
+        self.manager = manager
         self.ledger = InflightLedger()
         self.feeds = Feeds()
         # workers that left stop counting in the ledger (their streams fail over on their own)
@@ -70,9 +78,17 @@ class Cluster:
         self.placer = Placer(self.view, self.ledger, self._fast_state, config.engine.block_size)
 
     @classmethod
-    def connect(cls, config: ClusterConfig | None = None, on_ray_started: Callable[[], None] | None = None) -> Cluster:
-        """Join RAY_ADDRESS / REDIS_URL when set; otherwise start local Ray and an embedded Redis.
-        `on_ray_started` runs on this thread right after ray.init: its core worker has just put
+    def connect(
+        cls,
+        config: ClusterConfig | None = None,
+        on_ray_started: Callable[[], None] | None = None,
+        redis_url: str = "",
+    ) -> Cluster:
+        """Join RAY_ADDRESS / REDIS_URL (or `redis_url`) when set; otherwise start local Ray and an
+        embedded Redis. Pools already running in the namespace are joined as they are: the sizes
+        in Redis stand, and the config's sizes, engine and transport apply only to new pools.
+        Raises StateElsewhereError (before starting a Redis) if pools run in the namespace and no
+        Redis URL is given. `on_ray_started` runs on this thread right after ray.init: its core worker has just put
         in C-level signal handlers of its own (SIGTERM: log a stack, abort)."""
         from engine.model_files import default_model_path
 
@@ -90,23 +106,16 @@ class Cluster:
             if on_ray_started is not None:
                 on_ray_started()
         redis = None
-        url = os.environ.get("REDIS_URL", "")
+        url = redis_url or os.environ.get("REDIS_URL", "")
+        manager_link.check_joinable(config.namespace, shared_state=bool(url))
         if not url:
             redis = EmbeddedRedis().start()
             url = redis.url
-        ns = f"tandem-{config.namespace}"
-        from cluster.pool_manager import PoolManager
-
-        configs = {role: role_config(config.engine, role) for role in ROLES}
-        manager: Any = ray.remote(PoolManager).options(  # type: ignore[attr-defined]
-            name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8,
-            max_restarts=-1,  # it adopts the running workers (cluster/worker_actors.py): no stream is lost
-        ).remote(
-            url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls,
-            worker_env=config.worker_env,
-        )  # fmt: skip
-        ray.get(manager.__ray_ready__.remote(), timeout=MANAGER_START_S)
-        c = cls(config, url, redis, own_ray, joined_ray)
+        manager, joined_pools = manager_link.start_or_join(config, url)
+        c = cls(config, url, redis, own_ray, joined_ray, manager, joined_pools)
+        if joined_pools:
+            log.info("joined the running pools of namespace %s, at %s", config.namespace, c.state.desired())
+            return c
         for role in ("prefill", "decode", "colocated"):
             c.scale(role, getattr(config, role))
         return c
@@ -245,29 +254,24 @@ class Cluster:
             raise
 
     def shutdown(self, ray_gone: bool = False) -> Outcome:
-        """Stop what this Cluster started: the pool manager and its workers, the embedded Redis,
-        local Ray. Every step is bounded and runs even if an earlier one failed (Redis or Ray
-        may already be gone: see cluster.shutdown). `ray_gone`: the Ray cluster is known to be
-        gone (a joined one brought down), and with it the manager and the workers: no Ray step."""
-        steps = [
-            Step("routing view", self.view.stop),
-            Step("token feeds", self.feeds.shutdown),
-            Step("pool manager", self._stop_manager, 25.0, ray=True),
-            Step("pool manager kill", lambda: ray.kill(self.manager), ray=True),
-            Step("worker kill", lambda: kill_workers(self.config.namespace), ray=True),  # any the manager left
-            Step("namespace flush", lambda: self.state.ping() and self.state.flush_namespace()),
-        ]
+        """Stop what this Cluster started: the pool manager and its workers (unless it keeps the
+        pools: `keeps_pools`), the embedded Redis, local Ray. Every step is bounded and runs even
+        if an earlier one failed (Redis or Ray may already be gone: see cluster.shutdown).
+        `ray_gone`: the Ray cluster is known to be gone (a joined one brought down), and with it
+        the manager and the workers: no Ray step."""
+        steps = [Step("routing view", self.view.stop), Step("token feeds", self.feeds.shutdown)]
+        if not self.keeps_pools:
+            steps += [
+                Step("pool manager", lambda: manager_link.stop(self.manager), 25.0, ray=True),
+                Step("pool manager kill", lambda: ray.kill(self.manager), ray=True),
+                Step("worker kill", lambda: kill_workers(self.config.namespace), ray=True),  # any the manager left
+                Step("namespace flush", lambda: self.state.ping() and self.state.flush_namespace()),
+            ]
         steps += [Step("state", self.state.close), Step("fast state", self._fast_state.close)]
         if self._redis is not None:
             steps.append(Step("redis-server", self._redis.stop))
         if self.owns_ray:
-            steps.append(Step("ray", ray.shutdown, ray=True))
-        steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
+            steps.append(Step("ray", ray.shutdown, ray=True))  # from a joined cluster: only this driver leaves
+        if not self.keeps_pools:
+            steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
         return run_steps(steps, ray_gone)
-
-    def _stop_manager(self) -> None:
-        """The pool manager's own shutdown (it kills its workers), once it answers a ping. A
-        frozen one raises here after MANAGER_PING_S, and the kill steps after this one take it
-        and its workers down instead (its shutdown call alone would wait 20 s)."""
-        ray.get(self.manager.ping.remote(), timeout=MANAGER_PING_S)
-        ray.get(self.manager.shutdown.remote(), timeout=20)

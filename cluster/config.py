@@ -25,6 +25,9 @@ class ClusterConfig:
     waits: Waits = field(default_factory=Waits)
     max_migrations: int = 2  # mid-stream replays of one request on another pair
     write_back: bool = False  # after a P/D turn, copy the answer's KV to the prefill worker (cluster.handoff)
+    # whether stopping this router leaves the pools (pool manager, workers, their Redis state) to
+    # the cluster and its other routers: None = when it shares them (joined Ray, a Redis not its own)
+    keep_pools: bool | None = None
     # the worker processes' environment on top of Ray's: by default the OTEL_* variables of the
     # process that connects, so that workers export their spans where the router does
     worker_env: dict[str, str] = field(default_factory=lambda: otel_env(os.environ))

@@ -101,6 +101,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
+    ap.add_argument(
+        "--stop-pools",
+        action="store_true",
+        help="on a joined cluster with a shared Redis (REDIS_URL), stop the pools with this router "
+        "(default: leave them to the cluster and its other routers)",
+    )
     ap.add_argument("--kv-tls-cert", default=env("TANDEM_KV_TLS_CERT"), help="PEM certificate: TLS on the KV channel")
     ap.add_argument("--kv-tls-key", default=env("TANDEM_KV_TLS_KEY"), help="PEM private key of --kv-tls-cert")
     ap.add_argument("--kv-tls-ca", default=env("TANDEM_KV_TLS_CA"), help="PEM CA: verify peers (mutual TLS)")

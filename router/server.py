@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 
@@ -39,6 +39,21 @@ def _progress(cluster: Any, done: threading.Event, started: float) -> None:
         if line != last:
             print(f"  [{time.monotonic() - started:5.1f} s] {line}", flush=True)
             last = line
+
+
+def _leave_ray(message: str, code: int) -> NoReturn:
+    """Disconnect from a Ray that ray.init started or joined (bounded), and exit past its hook."""
+    import ray
+
+    from cluster.shutdown import Step, run_steps
+
+    run_steps([Step("ray", ray.shutdown, ray=True)])
+    print(message, flush=True)
+    stopping.exit_past_ray(code)
+
+
+def _sizes(cluster: Any) -> str:
+    return ", ".join(f"{n} {role}" for role, n in cluster.state.desired().items() if n) or "no workers"
 
 
 def _watch_ray(stop: threading.Event) -> RayWatch:
@@ -89,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.join:
         os.environ.setdefault("RAY_ADDRESS", "auto")
     from cluster.cluster import Cluster, ClusterConfig
+    from cluster.manager_link import StateElsewhereError
     from engine.config import EngineConfig
     from engine.torch_threads import threads_per_worker
 
@@ -128,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             kv_tls=_kv_tls(args),
             write_back=args.write_back,
+            keep_pools=False if args.stop_pools else None,
         )
     except ValueError as e:
         raise SystemExit(f"tandem serve: {e}") from None
@@ -148,13 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # SIGTERM inside ray.init, through the handler it put in: Ray is half up, and its exit
         # hook aborted on that at times (exit 134). Stop it here, bounded, and exit past the hook.
-        import ray
-
-        from cluster.shutdown import Step, run_steps
-
-        run_steps([Step("ray", ray.shutdown, ray=True)])
-        print("tandem: stopped", flush=True)
-        stopping.exit_past_ray(0)
+        _leave_ray("tandem: stopped", 0)
+    except StateElsewhereError as e:
+        _leave_ray(f"tandem serve: {e}", 2)
+    if cluster.joined_pools:
+        print(f"tandem: joined the pools running in namespace {args.namespace!r} ({_sizes(cluster)}): their "
+              "sizes, engine and transport stand (the flags above apply to new pools only)", flush=True)  # fmt: skip
     loaded, stop = threading.Event(), threading.Event()  # stop: ends the Ray-watch and autoscaler threads
     watch = _watch_ray(stop) if cluster.joined_ray else None
     code = 0
@@ -168,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded.set()
         stop.set()
         print("tandem: shutting down ...", flush=True)
-        outcome = cluster.shutdown(ray_gone=watch is not None and watch.gone.is_set())
+        ray_gone = watch is not None and watch.gone.is_set()
+        if cluster.keeps_pools and not ray_gone:
+            print("tandem: leaving the pools running for the cluster and its other routers (--stop-pools: "
+                  "stop them)", flush=True)  # fmt: skip
+        outcome = cluster.shutdown(ray_gone=ray_gone)
         print("tandem: stopped", flush=True)
     if not outcome.ray_answered:
         stopping.exit_past_ray(code)

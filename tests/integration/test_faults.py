@@ -9,15 +9,17 @@ router's ledger (Chaos.held_after_idle).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos_control import manager_kill, redis_kill
+from bench.chaos_control import manager_kill, redis_kill, second_router
 from bench.chaos_harness import Chaos, ScenarioResult
 from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_decode_kill, prefill_kill
 from bench.harness import running_cluster, serving, unique_namespace
-from cluster.cluster import ClusterConfig
+from cluster.cluster import Cluster, ClusterConfig
+from cluster.manager_link import StateElsewhereError
 from engine.config import EngineConfig
 
 MAX_TOKENS = 32
@@ -73,6 +75,22 @@ def test_redis_killed_under_load(chaos: Chaos) -> None:
     assert r.facts["same_text"] == 16, r.facts
     assert r.facts["new_request_ok"] and 0 < r.facts["new_first_token_s"] < 2.0, r.facts
     assert r.facts["redis_restarted"], r.facts
+
+
+def test_a_second_router_joins_the_pools_and_leaves_them_running(chaos: Chaos) -> None:
+    r = second_router(chaos, n=8)
+    clean(r)
+    assert r.facts["same_text"] == r.facts["usage_exact"] == 8 and r.facts["migrated"] == 0, r.facts
+    assert r.facts["joined_pools"] and r.facts["same_workers"] and r.facts["same_sizes"], r.facts
+    assert r.facts["probe_ok"] and r.facts["probe_same_text"] and r.facts["stop_clean"], r.facts
+
+
+def test_a_router_not_given_the_pools_redis_is_refused(chaos: Chaos, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would start a Redis of its own, which the running pools know nothing of."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with pytest.raises(StateElsewhereError, match="set REDIS_URL"):
+        Cluster.connect(dataclasses.replace(chaos.cluster.config, prefill=2))
+    assert chaos.cluster.state.desired()["prefill"] == 1
 
 
 def test_pool_manager_killed_under_load(chaos: Chaos) -> None:

@@ -21,7 +21,8 @@ from typing import IO
 import httpx
 import ray
 
-from cluster.cluster import MANAGER_PING_S, Cluster, ClusterConfig
+from cluster.cluster import Cluster, ClusterConfig
+from cluster.manager_link import MANAGER_PING_S
 from engine.config import EngineConfig
 from tests.integration.waits import until
 from tests.ports import free_port

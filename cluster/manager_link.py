@@ -1,0 +1,68 @@
+"""The pool manager from a router's side: start it, or find it running (another router's, or
+this one's before a restart), and stop it. One per namespace, named and detached: it outlives
+the router that started it, and Ray restarts it if it dies (it then adopts the running workers,
+cluster/worker_actors.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from cluster.config import ClusterConfig, role_config
+from engine.roles import ROLES
+
+MANAGER = "tandem-pool-manager"
+MANAGER_PING_S = 2.0  # its ping answers in milliseconds, on its own thread, even mid-round
+MANAGER_START_S = 120.0  # a new manager's start (2-4 s here), awaited before the routing view's first read
+
+
+class StateElsewhereError(RuntimeError):
+    """Pools run in the namespace, and their state is in a Redis this router was not given."""
+
+
+def running(namespace: str) -> bool:
+    """Whether the namespace's pool manager is there (alive, or being restarted by Ray)."""
+    try:
+        ray.get_actor(MANAGER, namespace=f"tandem-{namespace}")
+    except ValueError:
+        return False
+    return True
+
+
+def check_joinable(namespace: str, shared_state: bool) -> None:
+    """Before a router starts a Redis of its own: raise StateElsewhereError if pools already run
+    in `namespace` (a new Redis cannot be theirs)."""
+    if not shared_state and running(namespace):
+        raise StateElsewhereError(
+            f"pools already run in namespace {namespace!r} with their state in a Redis this router was not "
+            "given: set REDIS_URL to that Redis (or pick another --namespace)"
+        )
+
+
+def start_or_join(config: ClusterConfig, state_url: str) -> tuple[Any, bool]:
+    """The namespace's pool manager, and whether it was running already (its workers, engine
+    config and transport are then the ones it was started with, not `config`'s)."""
+    from cluster.pool_manager import PoolManager
+
+    ns = f"tandem-{config.namespace}"
+    was_running = running(config.namespace)
+    configs = {role: role_config(config.engine, role) for role in ROLES}
+    manager: Any = ray.remote(PoolManager).options(  # type: ignore[attr-defined]
+        name=MANAGER, namespace=ns, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=8,
+        max_restarts=-1,  # it adopts the running workers (cluster/worker_actors.py): no stream is lost
+    ).remote(
+        state_url, config.namespace, config.model_path, configs, config.transport, kv_tls=config.kv_tls,
+        worker_env=config.worker_env,
+    )  # fmt: skip
+    ray.get(manager.__ray_ready__.remote(), timeout=MANAGER_START_S)
+    return manager, was_running
+
+
+def stop(manager: Any) -> None:
+    """The pool manager's own shutdown (it kills its workers), once it answers a ping. A frozen
+    one raises here after MANAGER_PING_S, and the caller's kill steps take it and its workers
+    down instead (its shutdown call alone would wait 20 s)."""
+    ray.get(manager.ping.remote(), timeout=MANAGER_PING_S)
+    ray.get(manager.shutdown.remote(), timeout=20)
