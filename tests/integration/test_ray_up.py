@@ -2,14 +2,16 @@
 
 Installs openssh-server and rsync (Debian), starts sshd on 127.0.0.1 only with a key that
 is accepted from 127.0.0.1 only, brings the cluster up, asks the router for a chat
-completion and the pools, brings it down, and checks that no Ray process is left and that
-the router stopped by itself, cleanly.
+completion and the pools, starts a second router on the same pools and stops it (the pools
+stay), brings the cluster down, and checks that no Ray process is left and that the router
+stopped by itself, cleanly.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,6 +26,9 @@ KEY = Path.home() / ".ssh" / "tandem_loopback"
 LINK = Path.home() / "tandem-loopback"
 PROFILE = Path("/etc/profile.d/tandem-loopback.sh")
 URL = "http://127.0.0.1:8000"
+SECOND_URL = "http://127.0.0.1:8001"
+SECOND_LOG = Path("/tmp/tandem-loopback-serve-2.log")
+REDIS_PID = Path("/tmp/tandem-loopback-redis.pid")
 GONE_S = 30  # after `ray down`, for the joined router to stop: ray_watch.GONE_AFTER_S and its own stop
 
 pytestmark = pytest.mark.skipif(
@@ -37,6 +42,66 @@ def sh(cmd: str, timeout: float, check: bool = True, env: dict[str, str] | None 
     if check and p.returncode != 0:
         raise AssertionError(f"`{cmd}` failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p.stdout
+
+
+def wait_ready(url: str, timeout_s: float, log: Path) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < end, f"the router at {url} never became ready:\n{log.read_text()[-3000:]}"
+        time.sleep(1)
+
+
+def chat(url: str) -> str:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    text: str = r.json()["choices"][0]["message"]["content"]
+    assert text
+    return text
+
+
+def workers(url: str, token: str) -> dict[str, str]:
+    pools = httpx.get(f"{url}/admin/pools", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert pools.status_code == 200, pools.text
+    return {w["worker_id"]: w["role"] for w in pools.json()["workers"]}
+
+
+def second_router(env: dict[str, str], token: str) -> None:
+    """A second `tandem serve --join` on the same Ray and Redis (as a restarted router is), asked
+    for other sizes: it joins the pools as they are, answers as the first does, and on SIGTERM
+    stops alone; the first serves on over the same workers."""
+    first = workers(URL, token)
+    redis_url = f"redis://:{token}@127.0.0.1:6391/0"
+    env = {**env, "RAY_ADDRESS": "127.0.0.1:6390", "REDIS_URL": redis_url, "TANDEM_ADMIN_TOKEN": token}
+    with SECOND_LOG.open("w") as out:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "tandem"), "serve", "--join", "--port", "8001", "--prefill", "2", "--dtype", "fp32"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )  # fmt: skip
+    try:
+        wait_ready(SECOND_URL, 120, SECOND_LOG)
+        assert workers(SECOND_URL, token) == first
+        assert chat(SECOND_URL) == chat(URL)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, SECOND_LOG.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = SECOND_LOG.read_text()
+    assert "joined the pools running in namespace 'default' (1 prefill, 1 decode)" in log, log[-3000:]
+    assert "leaving the pools running" in log and log.rstrip().endswith("tandem: stopped"), log[-3000:]
+    assert workers(URL, token) == first
+    chat(URL)
 
 
 def ray_processes() -> str:
@@ -91,35 +156,15 @@ def test_ray_up_chat_pools_ray_down(sshd: None) -> None:
     env.pop("RAY_ADDRESS", None)
     sh("ray up -y --no-config-cache deploy/cluster.local.yaml", 900, env=env)
     try:
-        end = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{URL}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < end, "the router never became ready:\n" + sh(
-                "tail -50 /tmp/tandem-loopback-serve.log", 10, check=False
-            )
-            time.sleep(2)
-        chat = httpx.post(
-            f"{URL}/v1/chat/completions",
-            json={
-                "model": "SmolLM2-135M-Instruct",
-                "messages": [{"role": "user", "content": "Say hi."}],
-                "max_tokens": 8,
-            },
-            timeout=60,
-        )
-        assert chat.status_code == 200, chat.text
-        assert chat.json()["choices"][0]["message"]["content"]
+        wait_ready(URL, 300, Path("/tmp/tandem-loopback-serve.log"))
+        chat(URL)
         token = (Path.home() / ".tandem_redis_password").read_text().strip()
-        pools = httpx.get(f"{URL}/admin/pools", headers={"Authorization": f"Bearer {token}"}, timeout=30)
-        assert pools.status_code == 200, pools.text
-        roles = {w["role"] for w in pools.json()["workers"]}
-        assert {"prefill", "decode"} <= roles
+        assert {"prefill", "decode"} <= set(workers(URL, token).values())
+        second_router(env, token)
     finally:
         sh("ray down -y deploy/cluster.local.yaml", 300, check=False, env=env)
+        if REDIS_PID.exists():  # the cluster's Redis, which `ray down` leaves (a head node's own goes with it)
+            sh(f"kill $(cat {REDIS_PID})", 10, check=False)
         # the router notices (router.ray_watch) and stops by itself; it used to wait out Ray's
         # 60 s GCS reconnect and die of Ray's fatal error
         end = time.monotonic() + GONE_S
