@@ -111,7 +111,7 @@ class _Hosted:
     def attach_feed(self, subscriber: str, address: tuple[str, int], token: bytes, wait_s: float) -> None:
         """Push `subscriber`'s outputs to its router down a socket (cluster/feed_channel.py)."""
         outboxes = self.w.outboxes
-        self.pushers.attach(outboxes.take, outboxes.give_back, subscriber, address, token, wait_s)
+        self.pushers.attach(outboxes.take, outboxes.give_back, outboxes.lost, subscriber, address, token, wait_s)
 
     def start(self, *args: Any, **kwargs: Any) -> None:
         with self.w.serving():

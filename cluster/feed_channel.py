@@ -38,6 +38,7 @@ _LEN = struct.Struct(">I")
 
 TakeFn = Callable[[str, float], list[Item]]  # Outboxes.take
 GiveBackFn = Callable[[str, list[Item]], None]  # Outboxes.give_back
+LostFn = Callable[[str], None]  # Outboxes.lost
 
 
 def send_frame(sock: socket.socket, items: list[Item]) -> None:
@@ -120,10 +121,11 @@ class FeedListener:
 
 class Pusher:
     """The worker's end, on its own thread: take `subscriber`'s outputs, send them, again, until
-    the connection fails or `stop()`. Items taken but not sent go back to the outbox, in front."""
+    the connection fails (then `lost(subscriber)`) or `stop()`. Items taken but not sent go back
+    to the outbox, in front."""
 
-    def __init__(self, take: TakeFn, give_back: GiveBackFn, subscriber: str, wait_s: float) -> None:
-        self._take, self._give_back = take, give_back
+    def __init__(self, take: TakeFn, give_back: GiveBackFn, lost: LostFn, subscriber: str, wait_s: float) -> None:
+        self._take, self._give_back, self._lost = take, give_back, lost
         self.subscriber, self.wait_s = subscriber, wait_s
         self._stopped = threading.Event()
         self._sock: socket.socket | None = None
@@ -157,7 +159,9 @@ class Pusher:
                 send_frame(self._sock, items)
             except OSError:
                 self._give_back(self.subscriber, items)
-                self._stopped.set()
+                if not self._stopped.is_set():  # broke, rather than closed by stop()
+                    self._stopped.set()
+                    self._lost(self.subscriber)
                 self._sock.close()
                 return
 
@@ -173,6 +177,7 @@ class Pushers:
         self,
         take: TakeFn,
         give_back: GiveBackFn,
+        lost: LostFn,
         subscriber: str,
         address: tuple[str, int],
         token: bytes,
@@ -184,7 +189,7 @@ class Pushers:
             old = self._by_subscriber.pop(subscriber, None)
         if old is not None:
             old.stop()
-        pusher = Pusher(take, give_back, subscriber, wait_s)
+        pusher = Pusher(take, give_back, lost, subscriber, wait_s)
         pusher.start(address, token)  # connects: not under the lock
         with self._lock:
             other, self._by_subscriber[subscriber] = self._by_subscriber.get(subscriber), pusher

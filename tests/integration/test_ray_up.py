@@ -3,12 +3,13 @@
 Installs openssh-server and rsync (Debian), starts sshd on 127.0.0.1 only with a key that
 is accepted from 127.0.0.1 only, brings the cluster up, asks the router for a chat
 completion and the pools, starts a second router on the same pools and stops it (the pools
-stay), brings the cluster down, and checks that no Ray process is left and that the router
-stopped by itself, cleanly.
+stay), and another that is SIGKILLed mid-stream (its stream stops), brings the cluster
+down, and checks that no Ray process is left and that the router stopped by itself, cleanly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -29,6 +31,7 @@ URL = "http://127.0.0.1:8000"
 SECOND_URL = "http://127.0.0.1:8001"
 SECOND_LOG = Path("/tmp/tandem-loopback-serve-2.log")
 REDIS_PID = Path("/tmp/tandem-loopback-redis.pid")
+KILLED_ROUTER_S = 15  # Outboxes.lost_s (3 s), its reaper's tick and a heartbeat; the orphan wait is 30 s
 GONE_S = 30  # after `ray down`, for the joined router to stop: ray_watch.GONE_AFTER_S and its own stop
 
 pytestmark = pytest.mark.skipif(
@@ -70,17 +73,20 @@ def chat(url: str) -> str:
     return text
 
 
+def pools(url: str, token: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/admin/pools", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    found: list[dict[str, Any]] = r.json()["workers"]
+    return found
+
+
 def workers(url: str, token: str) -> dict[str, str]:
-    pools = httpx.get(f"{url}/admin/pools", headers={"Authorization": f"Bearer {token}"}, timeout=30)
-    assert pools.status_code == 200, pools.text
-    return {w["worker_id"]: w["role"] for w in pools.json()["workers"]}
+    return {w["worker_id"]: w["role"] for w in pools(url, token)}
 
 
-def second_router(env: dict[str, str], token: str) -> None:
-    """A second `tandem serve --join` on the same Ray and Redis (as a restarted router is), asked
-    for other sizes: it joins the pools as they are, answers as the first does, and on SIGTERM
-    stops alone; the first serves on over the same workers."""
-    first = workers(URL, token)
+def start_router(env: dict[str, str], token: str) -> subprocess.Popen[bytes]:
+    """Another `tandem serve --join` on the loopback cluster's Ray and Redis, on 8001, asked for
+    other sizes than the pools have."""
     redis_url = f"redis://:{token}@127.0.0.1:6391/0"
     env = {**env, "RAY_ADDRESS": "127.0.0.1:6390", "REDIS_URL": redis_url, "TANDEM_ADMIN_TOKEN": token}
     with SECOND_LOG.open("w") as out:
@@ -88,8 +94,16 @@ def second_router(env: dict[str, str], token: str) -> None:
             [str(VENV_BIN / "tandem"), "serve", "--join", "--port", "8001", "--prefill", "2", "--dtype", "fp32"],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )  # fmt: skip
+    wait_ready(SECOND_URL, 120, SECOND_LOG)
+    return proc
+
+
+def second_router(env: dict[str, str], token: str) -> None:
+    """A second router (as a restarted one is) joins the pools as they are, answers as the first
+    does, and on SIGTERM stops alone; the first serves on over the same workers."""
+    first = workers(URL, token)
+    proc = start_router(env, token)
     try:
-        wait_ready(SECOND_URL, 120, SECOND_LOG)
         assert workers(SECOND_URL, token) == first
         assert chat(SECOND_URL) == chat(URL)
         proc.send_signal(signal.SIGTERM)
@@ -102,6 +116,35 @@ def second_router(env: dict[str, str], token: str) -> None:
     assert "leaving the pools running" in log and log.rstrip().endswith("tandem: stopped"), log[-3000:]
     assert workers(URL, token) == first
     chat(URL)
+
+
+def killed_router(env: dict[str, str], token: str) -> None:
+    """A router SIGKILLed mid-stream: the decode worker drops its stream within KILLED_ROUTER_S
+    (its feed breaks; cluster/feed_channel.py), where it used to decode on for 37 s."""
+    proc = start_router(env, token)
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    running = lambda: sum(int(w.get("running") or 0) for w in pools(URL, token))  # noqa: E731
+    try:
+        with httpx.stream("POST", f"{SECOND_URL}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            end = time.monotonic() + 10
+            while not running():  # as the worker's heartbeat says
+                assert time.monotonic() < end, "the stream never showed in the pools"
+                time.sleep(0.2)
+            proc.kill()
+            killed = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:
+                    pass
+    finally:
+        proc.kill()
+        proc.wait(10)
+    while running() and time.monotonic() - killed < KILLED_ROUTER_S:
+        time.sleep(0.5)
+    assert not running(), f"a killed router's stream still decodes {KILLED_ROUTER_S} s on"
 
 
 def ray_processes() -> str:
@@ -161,6 +204,7 @@ def test_ray_up_chat_pools_ray_down(sshd: None) -> None:
         token = (Path.home() / ".tandem_redis_password").read_text().strip()
         assert {"prefill", "decode"} <= set(workers(URL, token).values())
         second_router(env, token)
+        killed_router(env, token)
     finally:
         sh("ray down -y deploy/cluster.local.yaml", 300, check=False, env=env)
         if REDIS_PID.exists():  # the cluster's Redis, which `ray down` leaves (a head node's own goes with it)

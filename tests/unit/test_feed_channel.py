@@ -27,14 +27,17 @@ def out(t: int, done: bool = False) -> RequestOutput:
 class Worker:
     """A worker's outbox and pushers; `attach` is what the Ray call runs on it."""
 
-    def __init__(self) -> None:
-        self.outboxes = Outboxes(abort=lambda rid: None)
+    def __init__(self, lost_s: float = 3.0) -> None:
+        self.aborted: list[str] = []
+        self.outboxes = Outboxes(abort=self.aborted.append, lost_s=lost_s)
         self.pushers = Pushers()
         self.attached = 0
 
     def attach(self, handle: Any, subscriber: str, address: tuple[str, int], token: bytes, wait_s: float) -> None:
         self.attached += 1
-        self.pushers.attach(self.outboxes.take, self.outboxes.give_back, subscriber, address, token, wait_s)
+        self.pushers.attach(
+            self.outboxes.take, self.outboxes.give_back, self.outboxes.lost, subscriber, address, token, wait_s
+        )
 
     def emit(self, sub: str, rid: str, *tokens: int) -> None:
         sink = self.outboxes.sink(sub, rid)
@@ -74,6 +77,24 @@ def test_outputs_come_down_the_socket_in_order_and_an_idle_worker_says_it_is_ali
     assert w.attached == 1  # one channel, kept between takes
     take.shutdown()  # the router going away: the worker's pusher stops at its next send
     assert wait_for(lambda: w.pushers.live == 0), "its pusher stops once the router's end is gone"
+
+
+def test_a_router_that_goes_away_has_its_requests_aborted_in_seconds(listener: FeedListener) -> None:
+    """Its end of the feed closes (a SIGKILL closes it too): the worker's next send fails, and the
+    requests it started there are aborted after lost_s, not the outbox's orphan_s. A pusher stopped
+    on purpose (a new attach, the worker's own close) marks nothing."""
+    kept = Worker(lost_s=0.2)
+    take = ChannelTake(listener, kept.attach, no_fallback, FROZEN_S)
+    kept.emit("s", "b", 1)
+    assert tokens(take, "w2", "s", 1) == [1]
+    kept.pushers.close()
+    w = Worker(lost_s=0.2)
+    take = ChannelTake(listener, w.attach, no_fallback, FROZEN_S)
+    w.emit("s", "a", 1)
+    assert tokens(take, "w1", "s", 1) == [1]
+    take.shutdown()
+    assert wait_for(lambda: w.aborted == ["a"], 5.0), "the gone router's request is aborted"
+    assert kept.aborted == []
 
 
 def test_a_worker_that_goes_away_fails_the_read_and_the_next_take_attaches_again(listener: FeedListener) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,23 @@ def test_a_subscriber_that_stops_taking_is_forgotten_and_its_requests_aborted() 
     boxes.put(sink, RequestOutput("r1", [8], "y", True, "abort"))  # too late: dropped
     assert boxes.take("gone", 0.0) == []
     boxes.check_integrity(set())
+    boxes.close()
+
+
+def test_a_subscriber_whose_feed_broke_is_forgotten_after_lost_s_unless_it_shows_up() -> None:
+    aborted: list[str] = []
+    boxes = Outboxes(aborted.append, orphan_s=60.0, lost_s=0.2)
+    boxes.sink("dead", "r1")
+    boxes.sink("back", "r2")
+    boxes.sink("busy", "r3")
+    for sub in ("dead", "back", "busy"):
+        boxes.lost(sub)
+    boxes.take("back", 0.0)  # its router attached a new feed
+    boxes.sink("busy", "r4")  # its router started another request here
+    assert wait_for(lambda: aborted == ["r1"], 3.0), "the dead router's request is aborted, in seconds"
+    time.sleep(0.5)
+    assert aborted == ["r1"], "a subscriber that took or started a request since is kept"
+    boxes.check_integrity({"r2", "r3", "r4"})
     boxes.close()
 
 
