@@ -98,9 +98,10 @@ def manager_kill(c: Chaos, n: int = 16) -> ScenarioResult:
 
 def second_router(c: Chaos, n: int = 8) -> ScenarioResult:
     """n streams over 1P+1D; once half are under way, a second router joins the same pools (as a
-    router restarted on a shared cluster does), asked for 2P+2D, serves a request, and stops. It
-    must take the pools as they are (no worker started, the sizes in Redis unchanged), answer as
-    the first router does, and leave the pools running when it stops: the streams lose nothing."""
+    router restarted on a shared cluster does), asked for 2P+2D with half the KV blocks, serves a
+    request, and stops. It must take the pools as they are (no worker started, the sizes in Redis
+    and the engine config unchanged), answer as the first router does, and leave the pools running
+    when it stops: the streams lose nothing."""
     c.pools(prefill=1, decode=1)
     prompts = c.prompts(n, "second-router")
     base = run_streams(c.client, prompts)
@@ -114,11 +115,14 @@ def second_router(c: Chaos, n: int = 8) -> ScenarioResult:
         nonlocal t_fault
         until(lambda: sum(len(s.token_times) >= 2 for s in streams) >= n // 2, 120, "streams under way")
         t_fault = time.monotonic()
-        config = dataclasses.replace(c.cluster.config, prefill=2, decode=2, keep_pools=True)
+        mine = c.cluster.config
+        engine = dataclasses.replace(mine.engine, num_blocks=mine.engine.num_blocks // 2)
+        config = dataclasses.replace(mine, prefill=2, decode=2, engine=engine, keep_pools=True)
         other = Cluster.connect(config, redis_url=c.cluster.state_url)
         try:
             facts["join_s"] = time.monotonic() - t_fault
             facts["joined_pools"] = other.joined_pools
+            facts["same_engine"] = other.config.engine == mine.engine
             with serving(other) as url:
                 facts["probe"] = ChatClient(url, c.client.model, c.client.max_tokens).stream(probe)
             other.check_integrity()

@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
 
 if TYPE_CHECKING:
-    from cluster.pool_manager import ManagerStatus
+    from cluster.manager_link import ManagerStatus
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,12 @@ class Cluster:
         redis_url: str = "",
     ) -> Cluster:
         """Join RAY_ADDRESS / REDIS_URL (or `redis_url`) when set; otherwise start local Ray and an
-        embedded Redis. Pools already running in the namespace are joined as they are: the sizes
-        in Redis stand, and the config's sizes, engine and transport apply only to new pools.
-        Raises StateElsewhereError (before starting a Redis) if pools run in the namespace and no
-        Redis URL is given. `on_ray_started` runs on this thread right after ray.init: its core worker has just put
-        in C-level signal handlers of its own (SIGTERM: log a stack, abort)."""
+        embedded Redis. Pools already running in the namespace are joined as they are
+        (`joined_pools`): the sizes in Redis stand, and their engine and transport replace the
+        config's. Raises CannotJoinError if pools run in the namespace and no Redis URL is
+        given (before starting a Redis), or they run another model. `on_ray_started` runs on this thread
+        right after ray.init: its core worker has just put in C-level signal handlers of its own
+        (SIGTERM: log a stack, abort)."""
         from engine.model_files import default_model_path
 
         config = config or ClusterConfig()
@@ -112,12 +113,12 @@ class Cluster:
             redis = EmbeddedRedis().start()
             url = redis.url
         manager, joined_pools = manager_link.start_or_join(config, url)
+        if joined_pools:  # serve as the pools run: their engine's limits and block size
+            config = manager_link.joined_config(config, manager)
         c = cls(config, url, redis, own_ray, joined_ray, manager, joined_pools)
-        if joined_pools:
-            log.info("joined the running pools of namespace %s, at %s", config.namespace, c.state.desired())
-            return c
-        for role in ("prefill", "decode", "colocated"):
-            c.scale(role, getattr(config, role))
+        if not joined_pools:
+            for role in ("prefill", "decode", "colocated"):
+                c.scale(role, getattr(config, role))
         return c
 
     # ---- operations ---------------------------------------------------------------------------

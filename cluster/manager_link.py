@@ -6,11 +6,14 @@ cluster/worker_actors.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from cluster.config import ClusterConfig, role_config
+from engine.config import EngineConfig
 from engine.roles import ROLES
 
 MANAGER = "tandem-pool-manager"
@@ -18,8 +21,30 @@ MANAGER_PING_S = 2.0  # its ping answers in milliseconds, on its own thread, eve
 MANAGER_START_S = 120.0  # a new manager's start (2-4 s here), awaited before the routing view's first read
 
 
-class StateElsewhereError(RuntimeError):
-    """Pools run in the namespace, and their state is in a Redis this router was not given."""
+class CannotJoinError(RuntimeError):
+    """Pools run in the namespace, and this router cannot serve them: their state is in a Redis
+    it was not given, or they run another model than its own."""
+
+
+@dataclass(frozen=True)
+class ManagerStatus:
+    """PoolManager.status."""
+
+    rounds: int  # reconcile rounds completed
+    state_ok: bool  # the last round reached Redis
+    desired: dict[str, int] | None  # the sizes it works to (None: never read); a copy
+    pid: int = 0  # its process
+    adopted: tuple[str, ...] = ()  # workers it found running when it started (after a restart)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What the pools were started with (PoolManager.spec): a router that joins them serves with
+    the same engine settings (its request limits and block counts come from them)."""
+
+    model_path: str
+    engine: EngineConfig  # the colocated role's: every role's config is it with its own role
+    transport: str
 
 
 def running(namespace: str) -> bool:
@@ -32,10 +57,10 @@ def running(namespace: str) -> bool:
 
 
 def check_joinable(namespace: str, shared_state: bool) -> None:
-    """Before a router starts a Redis of its own: raise StateElsewhereError if pools already run
+    """Before a router starts a Redis of its own: raise CannotJoinError if pools already run
     in `namespace` (a new Redis cannot be theirs)."""
     if not shared_state and running(namespace):
-        raise StateElsewhereError(
+        raise CannotJoinError(
             f"pools already run in namespace {namespace!r} with their state in a Redis this router was not "
             "given: set REDIS_URL to that Redis (or pick another --namespace)"
         )
@@ -58,6 +83,18 @@ def start_or_join(config: ClusterConfig, state_url: str) -> tuple[Any, bool]:
     )  # fmt: skip
     ray.get(manager.__ray_ready__.remote(), timeout=MANAGER_START_S)
     return manager, was_running
+
+
+def joined_config(config: ClusterConfig, manager: Any) -> ClusterConfig:
+    """`config` with the running pools' engine and transport. Raises CannotJoinError if they run
+    another model (by file name: the path may differ from host to host)."""
+    spec: PoolSpec = ray.get(manager.spec.remote(), timeout=MANAGER_PING_S * 15)
+    if Path(spec.model_path).name != Path(config.model_path).name:
+        raise CannotJoinError(
+            f"the pools in namespace {config.namespace!r} run {Path(spec.model_path).name}, not "
+            f"{Path(config.model_path).name}: give this router their model (or pick another --namespace)"
+        )
+    return replace(config, engine=spec.engine, transport=spec.transport)
 
 
 def stop(manager: Any) -> None:

@@ -26,11 +26,11 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from cluster.manager_link import ManagerStatus, PoolSpec
 from cluster.pool_plan import Limits, RoundPlan, WorkerHealth, decide
 from cluster.state import ClusterState, StateUnavailable
 from cluster.worker_actors import adopt, new_worker_id, next_count, start_worker
@@ -42,15 +42,6 @@ from kv_transfer.security import KVTLSConfig
 log = logging.getLogger(__name__)
 # A round gives up on Redis after this and goes on from what it knew.
 REDIS_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class ManagerStatus:
-    rounds: int  # reconcile rounds completed
-    state_ok: bool  # the last round reached Redis
-    desired: dict[str, int] | None  # the sizes it works to (None: never read); a copy
-    pid: int = 0  # its process
-    adopted: tuple[str, ...] = ()  # workers it found running when it started (after a restart)
 
 
 class PoolManager:
@@ -103,6 +94,9 @@ class PoolManager:
 
     def status(self) -> ManagerStatus:
         return self._status
+
+    def spec(self) -> PoolSpec:
+        return PoolSpec(self.model_path, self.configs["colocated"], self.transport)
 
     # ---- operations --------------------------------------------------------------------------
 

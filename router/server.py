@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.join:
         os.environ.setdefault("RAY_ADDRESS", "auto")
     from cluster.cluster import Cluster, ClusterConfig
-    from cluster.manager_link import StateElsewhereError
+    from cluster.manager_link import CannotJoinError
     from engine.config import EngineConfig
     from engine.torch_threads import threads_per_worker
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM inside ray.init, through the handler it put in: Ray is half up, and its exit
         # hook aborted on that at times (exit 134). Stop it here, bounded, and exit past the hook.
         _leave_ray("tandem: stopped", 0)
-    except StateElsewhereError as e:
+    except CannotJoinError as e:
         _leave_ray(f"tandem serve: {e}", 2)
     if cluster.joined_pools:
         print(f"tandem: joined the pools running in namespace {args.namespace!r} ({_sizes(cluster)}): their "

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from cluster.cluster import Cluster, ClusterConfig
-from cluster.pool_manager import ManagerStatus
+from cluster.manager_link import ManagerStatus
 from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun
 from cluster.state import StateUnavailable

@@ -19,7 +19,7 @@ from bench.chaos_harness import Chaos, ScenarioResult
 from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_decode_kill, prefill_kill
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import Cluster, ClusterConfig
-from cluster.manager_link import StateElsewhereError
+from cluster.manager_link import CannotJoinError
 from engine.config import EngineConfig
 
 MAX_TOKENS = 32
@@ -82,14 +82,19 @@ def test_a_second_router_joins_the_pools_and_leaves_them_running(chaos: Chaos) -
     clean(r)
     assert r.facts["same_text"] == r.facts["usage_exact"] == 8 and r.facts["migrated"] == 0, r.facts
     assert r.facts["joined_pools"] and r.facts["same_workers"] and r.facts["same_sizes"], r.facts
+    assert r.facts["same_engine"], r.facts
     assert r.facts["probe_ok"] and r.facts["probe_same_text"] and r.facts["stop_clean"], r.facts
 
 
-def test_a_router_not_given_the_pools_redis_is_refused(chaos: Chaos, monkeypatch: pytest.MonkeyPatch) -> None:
-    """It would start a Redis of its own, which the running pools know nothing of."""
+def test_a_router_that_cannot_serve_the_running_pools_is_refused(chaos: Chaos, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without their Redis it would start one of its own, which the pools know nothing of; with
+    another model it would tokenize for the wrong one."""
     monkeypatch.delenv("REDIS_URL", raising=False)
-    with pytest.raises(StateElsewhereError, match="set REDIS_URL"):
+    with pytest.raises(CannotJoinError, match="set REDIS_URL"):
         Cluster.connect(dataclasses.replace(chaos.cluster.config, prefill=2))
+    other_model = dataclasses.replace(chaos.cluster.config, model_path="/models/Other-1B.Q8_0.gguf")
+    with pytest.raises(CannotJoinError, match=r"run SmolLM2-135M-Instruct.* not Other-1B"):
+        Cluster.connect(other_model, redis_url=chaos.cluster.state_url)
     assert chaos.cluster.state.desired()["prefill"] == 1
 
 
