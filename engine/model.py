@@ -141,7 +141,7 @@ class LlamaModel:
         # sin with rotate_half's sign folded in: -sin on the first half, +sin on the second
         self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
 
-    def _projections(self) -> list[Projection]:
+    def projections(self) -> list[Projection]:
         layers = [p for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         return [*layers, *([self.lm_head] if self.lm_head is not None else [])]
 
@@ -153,7 +153,7 @@ class LlamaModel:
         """Move every weight and table to `device` (in place; returns self). Raises ValueError
         for an int8 model off the CPU."""
         device = torch.device(device)
-        for p in self._projections():
+        for p in self.projections():
             p.to(device)
         self.layers = [
             LayerWeights(lw.attn_norm.to(device), lw.qkv, lw.o, lw.mlp_norm.to(device), lw.gate_up, lw.down)
@@ -176,7 +176,7 @@ class LlamaModel:
         return weight * xf.to(self.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """HF's `x * cos + rotate_half(x) * sin`, bit for bit, in 4 ops instead of 7: rotate_half
         is a roll by half a head with the sign in `signed_sin`. x: [T, heads, head_dim]; cos and
         signed_sin: [T, 1, head_dim]."""
@@ -215,7 +215,7 @@ class LlamaModel:
             x = self._rms_norm(h, lw.attn_norm)
             qkv = project(self.per_row, lw.qkv, x)  # [T, q_size + 2 * kv_size]
             qk = qkv[:, : qs + kvs].view(t, nh + nkv, d)
-            qk = self._rope(qk, cos, sin)
+            qk = self.rope(qk, cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]  # [T, H, D], [T, KVH, D]
             v = qkv[:, qs + kvs :].view(t, nkv, d)
             k, v = cache.write(i, slots, k, v)

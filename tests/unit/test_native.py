@@ -58,7 +58,7 @@ def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeO
     slots = torch.tensor([9, 2, 30, 31, 0, 17])
     k_cache, v_cache = torch.zeros(32, nkv, d), torch.zeros(32, nkv, d)
     qk = qkv[:, : TINY.q_size + TINY.kv_size].reshape(6, nh + nkv, d)
-    expected = model._rope(qk, model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1))
+    expected = model.rope(qk, model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1))
     v = qkv[:, TINY.q_size + TINY.kv_size :].reshape(6, nkv, d).clone()
     ops.rope_write(qkv, nh, nkv, positions, model.cos, model.sin, slots, k_cache, v_cache)
     assert torch.equal(qkv[:, : TINY.q_size + TINY.kv_size].reshape(6, nh + nkv, d), expected)
@@ -184,7 +184,7 @@ def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(o
     bit for bit, in int8 too (through fbgemm's per-tensor kernel, the logprobs moved: checked
     when this was written)."""
     model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
-    assert model.native is ops and all(p.rows is not None for p in model._projections())
+    assert model.native is ops and all(p.rows is not None for p in model.projections())
     looping = [([(7 * i + 3 * j) % 120 + 1 for j in range(5)] * 6)[: 12 + 5 * i] for i in range(4)]
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
     off = make_engine(model, num_blocks=128).generate(looping, params)
