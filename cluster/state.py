@@ -8,6 +8,7 @@ Every key lives under `tandem:{namespace}:`, so several clusters can share one R
     tandem:{ns}:blocks:{id}     set    KV block hashes (decimal strings) held by worker `id`
     tandem:{ns}:block_workers   set    ids that have published blocks
     tandem:{ns}:events          stream capped at ~10,000 entries
+    tandem:{ns}:autoscale:*     the routers' autoscalers (cluster/autoscale_store.py)
 
 Redis is run without persistence by default, so after a Redis restart the state is
 empty: a worker whose `heartbeat()` returns False must `register_worker()` again and
@@ -15,7 +16,8 @@ re-publish its blocks. The client reconnects by itself with exponential backoff.
 
 Every method but `ping()` raises StateUnavailable when Redis cannot be reached or does not
 answer in time, so a caller handles one exception (the router answers 503 with it). The
-prefix-block index is cluster/prefix_index.py, the client and its errors cluster/state_store.py.
+prefix-block index is cluster/prefix_index.py, the autoscalers' lease and windows
+cluster/autoscale_store.py, the client and its errors cluster/state_store.py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from cluster.autoscale_store import AutoscaleStore
 from cluster.prefix_index import PrefixIndex
 from cluster.state_store import StateUnavailable, unavailable_as_state_error
 from engine.roles import ROLES
@@ -77,7 +80,7 @@ def _encode_field(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-class ClusterState(PrefixIndex):
+class ClusterState(PrefixIndex, AutoscaleStore):
     """Client for one namespace of cluster state. Thread-safe (redis-py's connection pool).
 
     Raises ValueError for a namespace that is empty or has characters outside

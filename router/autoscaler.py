@@ -6,7 +6,8 @@ cluster event (`GET /admin/events`). The pool manager then starts or drains work
 for `/admin/pools`.
 
 It runs on its own thread in the router's process and calls the backend like the admin API does;
-no lock is held across those calls.
+no lock is held across those calls. With several routers, one decides over all their windows
+(router/window_share.py); the others publish theirs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from planner.trace import Trace
 from router.autoscale_flags import AutoscaleConfig
 from router.backend import Backend
 from router.window import LoadWindow, Taken
+from router.window_share import WindowShare, merged
 
 log = logging.getLogger("tandem.autoscaler")
 
@@ -65,13 +67,21 @@ class Autoscaler:
         config: AutoscaleConfig,
         planner: Planner | None = None,
         clock: Callable[[], float] = time.monotonic,
+        share: WindowShare | None = None,
     ) -> None:
         self.backend, self.window, self.config, self.planner, self.clock = backend, window, config, planner, clock
+        self.share = share
         self.memory = Memory()
 
-    def tick(self) -> Decision:
-        """One decision: take the window, plan, decide, scale, record the event."""
+    def tick(self) -> Decision | None:
+        """One decision: take the window, plan, decide, scale, record the event. With a share:
+        None while another router decides (this one's window goes to it)."""
         taken = self.window.take()
+        if self.share is not None:
+            if not self.share.lead():
+                self.share.publish(taken)
+                return None
+            taken = merged(taken, self.share.collect())
         status = self.backend.status()
         desired = status.get("desired", {})
         current: dict[str, int] = {r: int(desired.get(r, 0)) for r in ROLES}
@@ -111,7 +121,7 @@ class Autoscaler:
 
 
 def start(args: argparse.Namespace, config: AutoscaleConfig, backend: Backend, window: LoadWindow,
-          stop: threading.Event) -> Autoscaler:  # fmt: skip
+          stop: threading.Event, share: WindowShare | None = None) -> Autoscaler:  # fmt: skip
     """Build the autoscaler for `tandem serve` and run it on a daemon thread until `stop`."""
     planner = None
     if args.autoscale_profile:
@@ -125,6 +135,6 @@ def start(args: argparse.Namespace, config: AutoscaleConfig, backend: Backend, w
         served = model_config(args.model or str(default_model_path()))
         shape = ModelShape.of(served, profile.dtype, profile.kv_dtype)
         planner = profile_planner(kind, Handoff(CPU_HANDOFF_FIXED_S, shape.kv_bytes_per_token))
-    scaler = Autoscaler(backend, window, config, planner)
+    scaler = Autoscaler(backend, window, config, planner, share=share)
     threading.Thread(target=scaler.run, args=(stop,), name="autoscaler", daemon=True).start()
     return scaler

@@ -212,8 +212,10 @@ def _route(
     app = create_app(backend, settings)
     if autoscale is not None:
         from router import autoscaler
+        from router.window_share import RedisWindowShare
 
-        autoscaler.start(args, autoscale, backend, app.state.dispatcher.window, stop)
+        share = RedisWindowShare(cluster.state, autoscale.interval_s)  # one router decides over all of theirs
+        autoscaler.start(args, autoscale, backend, app.state.dispatcher.window, stop, share)
         print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
     url = f"http://{settings.host}:{settings.port}"
     print(f"ready in {time.monotonic() - started:.1f} s", flush=True)

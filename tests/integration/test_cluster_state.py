@@ -14,6 +14,8 @@ import redis
 
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import ClusterState, StateUnavailable
+from router.window import Sample, Taken
+from router.window_share import RedisWindowShare
 from tests.integration.waits import until
 
 
@@ -156,6 +158,20 @@ def test_longest_prefix(state: ClusterState) -> None:
     assert state.longest_prefix(chain) == {"b": 2, "c": 2}
     state.deregister_worker("b")
     assert state.longest_prefix(chain, ["a", "b", "c"]) == {"a": 0, "b": 0, "c": 2}
+
+
+def test_one_router_holds_the_autoscalers_lease_and_reads_the_others_windows(state: ClusterState) -> None:
+    a, b = RedisWindowShare(state, interval_s=0.1, owner="a"), RedisWindowShare(state, interval_s=0.1, owner="b")
+    assert a.lead() and not b.lead() and a.lead()  # renewed by its holder, refused to the other
+    b.publish(Taken(0.1, 2, (Sample(time.monotonic(), 9, 3, 0.5, 0.02),)))
+    b.publish(Taken(0.1, 1, ()))
+    got = a.collect()
+    assert [t.requests for t in got] == [2, 1] and got[0].samples[0].prompt == 9
+    assert abs(got[0].samples[0].arrival - time.monotonic()) < 5  # back on this process's clock
+    assert a.collect() == []
+    # its holder stops renewing (a router that died): the other takes over within a lease (0.3 s)
+    until(b.lead, 2.0, "the lease passing to the other router")
+    assert not a.lead()
 
 
 def test_events_order_and_paging(state: ClusterState) -> None:
