@@ -214,8 +214,8 @@ class PDActor(_Hosted, PublishesBlocks):
 
     # ---- decode -----------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> bytes:
-        return self._as(DecodeWorker).reserve(request_id, num_tokens, lease_s)
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None, owner: str = "") -> bytes:
+        return self._as(DecodeWorker).reserve(request_id, num_tokens, lease_s, owner)
 
     def start_decode(self, *args: Any, **kwargs: Any) -> None:
         w = self._as(DecodeWorker)

@@ -118,7 +118,7 @@ class Attempt:
         rid, route, lease_s = self.request_id, self.route, self.waits.lease_s
         renew = {route.decode: lambda: self.decode.renew.remote(rid, lease_s)}
         live = Liveness({route.decode: self.decode, str(route.prefill): prefill}, self.waits, renew)
-        reservation = self.decode.reserve.remote(rid, len(self.prompt), lease_s)
+        reservation = self.decode.reserve.remote(rid, len(self.prompt), lease_s, self.seam.feeds.subscriber)
         self.stage = Stage.RESERVED
         try:
             ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)

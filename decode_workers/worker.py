@@ -45,12 +45,20 @@ class DecodeWorker(WorkerBase):
         self.endpoint = self.server.endpoint
         clients = KVClients(lambda endpoint: KVTransferClient(endpoint, "grpc", tls=tls))
         self.write_back_source = WriteBackSource(self.engine, self.loop.lock, clients)
+        self.outboxes.on_lost.append(self._router_gone)
 
-    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> bytes:
+    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None, owner: str = "") -> bytes:
         """Claim blocks for a prompt's KV; a serialized ReserveResponse (endpoint, token, blocks).
-        `lease_s`: how long they wait for the first chunk (default: the receiver's lease)."""
+        `lease_s`: how long they wait for the first chunk (default: the receiver's lease).
+        `owner`: the router's feed subscriber: once its feed has broken and it has not come back
+        (engine/outbox.py: the router is gone), its reservations go too, not at their leases' end."""
         self._check_open()
-        return bytes(self.receiver.reserve(request_id, num_tokens, lease_s).SerializeToString())
+        self.outboxes.seen(owner)
+        return bytes(self.receiver.reserve(request_id, num_tokens, lease_s, owner).SerializeToString())
+
+    def _router_gone(self, subscriber: str) -> None:
+        for rid in self.receiver.owned_by(subscriber):
+            self.receiver.release(rid, None, "its router is gone")
 
     def release(self, request_id: str) -> bool:
         return self.receiver.release(request_id, None, "released by caller")
@@ -119,6 +127,7 @@ class DecodeWorker(WorkerBase):
         self.outboxes.check_integrity(self.loop.streaming())
 
     def close_role(self) -> None:
+        self.outboxes.on_lost.remove(self._router_gone)
         self.server.stop(0)
         self.write_back_source.clients.close()
         if self.receiver.shared is not None:

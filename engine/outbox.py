@@ -12,9 +12,11 @@ step through the GIL and the shared cores, the more the higher C.
 A subscriber that stops taking (its router died) is forgotten after `orphan_s`, and the requests
 it started are aborted, so that nothing runs or holds blocks for no one. One whose feed connection
 broke (`lost`: the worker's send failed, cluster/feed_channel.py) is forgotten after `lost_s`
-unless it takes or starts a request first: a router that died is let go of in seconds, not half
-a minute (measured: 4 streams of a SIGKILLed router decoded on for 37 s), and a live one, whose
-requests on this worker its own end of the broken feed has already failed, loses nothing.
+unless it takes, starts a request or is otherwise `seen` first: a router that died is let go of
+in seconds, not half a minute (measured: 4 streams of a SIGKILLed router decoded on for 37 s),
+and a live one, whose requests on this worker its own end of the broken feed has already
+failed, loses nothing. `on_lost` hooks hear of such a router (a decode worker then releases the
+KV it reserved for it).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Outboxes:
     def __init__(self, abort: Callable[[str], object], orphan_s: float = 30.0, lost_s: float = 3.0) -> None:
         self._abort = abort
         self.orphan_s, self.lost_s = orphan_s, lost_s
+        # called with a subscriber forgotten for its broken feed, after its requests are aborted
+        self.on_lost: list[Callable[[str], object]] = []
         self._boxes: dict[str, _Box] = {}
         self._cond = threading.Condition()
         self._dirty = False
@@ -76,6 +80,13 @@ class Outboxes:
             box.requests.add(request_id)
             box.lost = None  # it is there: it just started a request
         return Sink(self, subscriber, request_id)
+
+    def seen(self, subscriber: str) -> None:
+        """`subscriber` called this worker (a KV reservation, say): it is there."""
+        with self._cond:
+            box = self._boxes.get(subscriber)
+            if box is not None:
+                box.lost = None
 
     def lost(self, subscriber: str) -> None:
         """`subscriber`'s feed connection broke: forget it after `lost_s` unless it shows up first."""
@@ -148,9 +159,13 @@ class Outboxes:
                 for s, b in self._boxes.items()
                 if now - b.taken > self.orphan_s or (b.lost is not None and now - b.lost > self.lost_s)
             ]
+            lost = [s for s in gone if self._boxes[s].lost is not None]
             stranded = [rid for s in gone for rid in self._boxes.pop(s).requests]
         for rid in stranded:
             self._abort(rid)
+        for sub in lost:
+            for hook in self.on_lost:
+                hook(sub)
 
     def check_integrity(self, streaming: set[str]) -> None:
         """Raise AssertionError unless every request an outbox waits on is one the engine loop

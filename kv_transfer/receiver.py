@@ -75,24 +75,29 @@ class KVReceiver:
 
     # ---- control ----------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, num_tokens: int, lease_s: float | None = None) -> pb.ReserveResponse:
-        """Claim blocks for `num_tokens` tokens. Raises NoFreeBlocksError, PromptTooLongError, ..."""
+    def reserve(
+        self, request_id: str, num_tokens: int, lease_s: float | None = None, owner: str = ""
+    ) -> pb.ReserveResponse:
+        """Claim blocks for `num_tokens` tokens, for `owner` (a router: `owned_by`). Raises
+        NoFreeBlocksError, PromptTooLongError, ..."""
         self.check_unreserved(request_id)
         with self.engine_lock:
             blocks = self.engine.reserve(request_id, num_tokens)  # raises on a duplicate id
-        return self.lease(request_id, blocks, num_tokens, lease_s)
+        return self.lease(request_id, blocks, num_tokens, lease_s, owner)
 
     def check_unreserved(self, request_id: str) -> None:
         with self._cond:
             if request_id in self.table:
                 raise KVTransferError(f"request {request_id!r} already has a reservation")
 
-    def lease(self, request_id: str, blocks: list[int], num_tokens: int, lease_s: float | None) -> pb.ReserveResponse:
+    def lease(
+        self, request_id: str, blocks: list[int], num_tokens: int, lease_s: float | None, owner: str = ""
+    ) -> pb.ReserveResponse:
         """Lease `blocks`, which the engine holds for `request_id`, to the one sender holding the
         response's token, for `lease_s` (default: the receiver's) until the first chunk."""
         lease = lease_s if lease_s else self.lease_s
         with self._cond:
-            r = self.table.add(request_id, blocks, num_tokens, lease)
+            r = self.table.add(request_id, blocks, num_tokens, lease, owner)
             self.outcomes.forget(request_id)
         return pb.ReserveResponse(
             block_ids=r.block_ids,
@@ -146,6 +151,11 @@ class KVReceiver:
                 why = "not shared" if self.shared is None else f"claimed by {r.holder or holder!r}"
                 raise ChunkRejected("bad_transport", f"no in-place writes into {request_id!r}: cache {why}")
             r.holder = holder
+
+    def owned_by(self, owner: str) -> list[str]:
+        """The reservations made for `owner` (a router: one that is gone has them released)."""
+        with self._cond:
+            return [r.request_id for r in self.table.owned_by(owner)]
 
     def expire(self) -> list[str]:
         """Free every reservation whose lease has run out; returns their ids."""

@@ -39,6 +39,7 @@ class Reservation:
     finished: float = 0.0
     network_wait_s: float = 0.0
     holder: str = ""  # the lock of a sender that may write the blocks in place (kv_transfer/in_place.py)
+    owner: str = ""  # the router it was made for (its feed subscriber), if it said
 
     def blocks_needed(self, block_size: int, num_tokens: int) -> list[int]:
         return self.block_ids[: -(-num_tokens // block_size)]
@@ -64,10 +65,13 @@ class ReservationTable:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
 
-    def add(self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float) -> Reservation:
+    def add(
+        self, request_id: str, block_ids: list[int], num_tokens: int, lease_s: float, owner: str = ""
+    ) -> Reservation:
         if request_id in self._by_id:
             raise ValueError(f"request {request_id!r} already has a reservation")
-        r = Reservation(request_id, secrets.token_hex(16), list(block_ids), num_tokens, self.clock() + lease_s)
+        deadline = self.clock() + lease_s
+        r = Reservation(request_id, secrets.token_hex(16), list(block_ids), num_tokens, deadline, owner=owner)
         self._by_id[request_id] = r
         return r
 
@@ -87,6 +91,9 @@ class ReservationTable:
 
     def ids(self) -> list[str]:
         return list(self._by_id)
+
+    def owned_by(self, owner: str) -> list[Reservation]:
+        return [r for r in self._by_id.values() if owner and r.owner == owner]
 
     def check_integrity(self) -> None:
         """Raise AssertionError if two reservations share a block or a state is inconsistent."""

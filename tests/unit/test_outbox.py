@@ -108,6 +108,23 @@ def test_a_subscriber_whose_feed_broke_is_forgotten_after_lost_s_unless_it_shows
     boxes.close()
 
 
+def test_only_a_subscriber_forgotten_for_its_broken_feed_reaches_the_lost_hooks() -> None:
+    """A worker releases a gone router's KV reservations from there; one that merely stopped
+    taking (the Ray-call feed between requests) keeps them until their leases end."""
+    boxes = Outboxes(lambda rid: None, orphan_s=0.3, lost_s=0.2)
+    told: list[str] = []
+    boxes.on_lost.append(told.append)
+    for sub in ("lost", "quiet", "seen"):
+        boxes.sink(sub, f"r-{sub}")
+    boxes.lost("lost")
+    boxes.lost("seen")
+    boxes.seen("seen")  # it called again (a reservation)
+    assert wait_for(lambda: told == ["lost"], 3.0)
+    time.sleep(0.6)  # "quiet" and "seen" are orphans by now: forgotten, not reported
+    assert told == ["lost"]
+    boxes.close()
+
+
 class Script:
     """A worker's `take_outputs`, scripted: each call returns the next batch, or raises it."""
 

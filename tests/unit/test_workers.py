@@ -81,6 +81,35 @@ def test_abort_mid_stream_frees_blocks(workers: tuple[PrefillWorker, DecodeWorke
     assert p.stats()["free_blocks"] == 128 and d.stats()["free_blocks"] == 128
 
 
+def test_a_gone_routers_reservations_are_released(workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker]) -> None:
+    """Its feed broke and it did not come back (engine/outbox.py's lost_s): its reservations go
+    with its requests. Another router's stay, and so do those of one that reserved since."""
+    _, d, _ = workers
+    d.outboxes.lost_s = 0.2
+    try:
+        for sub in ("gone", "other", "back"):
+            d.outboxes.take(sub, 0.0)  # each has a feed (its pusher takes)
+        d.reserve("g1", 10, owner="gone")
+        d.reserve("g2", 20, owner="gone")
+        d.reserve("o1", 10, owner="other")
+        d.outboxes.lost("gone")
+        d.outboxes.lost("back")
+        d.reserve("b1", 10, owner="back")  # it called again: it is there
+        wait = time.monotonic() + 5
+        while d.receiver.owned_by("gone") and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert d.receiver.owned_by("gone") == [] and d.receiver.owned_by("other") == ["o1"]
+        time.sleep(0.5)
+        assert d.receiver.owned_by("back") == ["b1"]
+        d.check_integrity()
+    finally:
+        d.outboxes.lost_s = 3.0
+        for rid in ("o1", "b1"):
+            d.release(rid)
+    assert d.stats()["free_blocks"] == 128
+    d.check_integrity()
+
+
 def test_drain_refuses_new_work(model_dir: str) -> None:
     c = ColocatedWorker("c1", model_dir, CFG)
     try:
