@@ -27,7 +27,7 @@ from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
 from cluster.inflight import InflightLedger
 from cluster.inventory import node_resources
-from cluster.placer import NoWorkerError, Placer
+from cluster.placer import NoRoomError, NoWorkerError, Placer
 from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route, RoutingPolicy
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Cluster", "ClusterConfig", "NoWorkerError", "WorkerDiedError"]
+__all__ = ["Cluster", "ClusterConfig", "NoRoomError", "NoWorkerError", "WorkerDiedError"]
 
 
 class Cluster:

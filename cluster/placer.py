@@ -8,10 +8,11 @@ holding its cost in the ledger are one step under a lock, so a burst sees each o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
-from cluster.inflight import InflightLedger
+from cluster.inflight import InflightLedger, WorkerLoad
 from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
@@ -22,6 +23,11 @@ from engine.sampling_params import SamplingParams
 
 class NoWorkerError(EngineError):
     """No worker of the needed role is up (or none has room)."""
+
+
+class NoRoomError(NoWorkerError):
+    """Workers that could run the request are up, but none has room for it now (their KV blocks
+    are held by requests in flight): room comes back as those finish."""
 
 
 class Placer:
@@ -68,6 +74,9 @@ class Placer:
             views = [WorkerView.of(wid, info, loads[wid]) for wid, info in live.items()]
             route = plan_route(views, cached, len(prompt_ids), params.max_tokens, self._block_size, policy, exclude)
             if route is None:
+                idle = [dataclasses.replace(v, free_blocks=v.num_blocks, load=WorkerLoad()) for v in views]
+                if plan_route(idle, cached, len(prompt_ids), params.max_tokens, self._block_size, policy, exclude):
+                    raise NoRoomError("every worker that could run this request is full")
                 raise NoWorkerError("no prefill + decode pair (or colocated worker) is up with room for this request")
             blocks, uncached = self.cost(len(prompt_ids), params, route)
             self._ledger.hold(route.decode, route.prefill, blocks, uncached)

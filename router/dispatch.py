@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -28,6 +29,7 @@ from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.recent import RecentRequests
 from router.retry import retry_route
+from router.room_wait import route_when_room
 from router.settings import RouterSettings
 from router.tracing import RequestTracer, request_context
 from router.window import LoadWindow
@@ -216,7 +218,8 @@ class Dispatcher:
                 log.warning("request %s failed on %s before its first token (%r); retrying", engine_id, route, e)
                 self.metrics.retries.inc()
                 continue
-            except BaseException:
+            except BaseException:  # the client left (cancelled) while this attempt routed or waited
+                attempt.cancel.set()
                 pump.close()
                 raise
             trace.t_first = trace.t_last = time.monotonic()
@@ -284,9 +287,12 @@ class _Attempt:
     trace: Trace
     suspects: frozenset[str] = frozenset()  # workers the failures named
     route: Route | None = None  # set once routed; None if routing raised
+    cancel: threading.Event = field(default_factory=threading.Event)  # its client left (ends a wait for room)
 
     def start(self) -> Iterator[StreamOutput]:
-        route = self.d.route(self.prompt, self.params, self.failed, self.suspects)
+        deadline = self.trace.t_arrival + self.d.settings.queue_timeout_s  # a full pool is waited for
+        route = route_when_room(lambda: self.d.route(self.prompt, self.params, self.failed, self.suspects),
+                                deadline, self.cancel)  # fmt: skip
         self.trace.t_dispatch = time.monotonic()
         self.route = route
         return self.d.backend.generate(self.prompt, self.params, self.engine_id, route, self.trace.context.traceparent)

@@ -100,6 +100,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="after each P/D turn, copy the answer's KV from the decode worker to the prefill worker's cache",
     )
     ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request may wait, for an admission slot and for a worker with room, before a 429",
+    )
     ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
     ap.add_argument(
         "--stop-pools",

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
+import pydantic
 import uvicorn
 
 from router import autoscale_flags, stopping
@@ -39,6 +40,33 @@ def _progress(cluster: Any, done: threading.Event, started: float) -> None:
         if line != last:
             print(f"  [{time.monotonic() - started:5.1f} s] {line}", flush=True)
             last = line
+
+
+FLAGS = {"max_running": "--max-running", "queue_timeout_s": "--queue-timeout", "colocate_below_tokens":
+         "--colocate-below", "local_below_tokens": "--local-below", "spill_streams": "--spill-streams"}  # fmt: skip
+
+
+def _settings(args: argparse.Namespace) -> RouterSettings:
+    """The router's settings from the flags (and TANDEM_* variables). Raises SystemExit, with one
+    line a bad value, for any the settings refuse."""
+    try:
+        return RouterSettings.from_env(
+            host=args.host,
+            port=args.port,
+            model_name=args.served_model_name,
+            max_running=args.max_running,
+            queue_timeout_s=args.queue_timeout,
+            colocate_below_tokens=args.colocate_below,
+            **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),
+            **({"spill_streams": args.spill_streams} if args.spill_streams is not None else {}),
+            **({"cross_pool": False} if args.no_cross_pool else {}),
+            allow_loopback_admin=args.allow_loopback_admin,
+            **({"admin_token": args.admin_token} if args.admin_token else {}),
+        )
+    except pydantic.ValidationError as e:
+        bad = (f"{FLAGS.get(str(err['loc'][0]), '--' + str(err['loc'][0]).replace('_', '-'))}: {err['msg']}"
+               for err in e.errors())  # fmt: skip
+        raise SystemExit("tandem serve: " + "; ".join(bad)) from None
 
 
 def _leave_ray(message: str, code: int) -> NoReturn:
@@ -109,18 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.torch_threads import threads_per_worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    settings = RouterSettings.from_env(
-        host=args.host,
-        port=args.port,
-        model_name=args.served_model_name,
-        max_running=args.max_running,
-        colocate_below_tokens=args.colocate_below,
-        **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),
-        **({"spill_streams": args.spill_streams} if args.spill_streams is not None else {}),
-        **({"cross_pool": False} if args.no_cross_pool else {}),
-        allow_loopback_admin=args.allow_loopback_admin,
-        **({"admin_token": args.admin_token} if args.admin_token else {}),
-    )
+    settings = _settings(args)
     prefill, decode = (0, 0) if args.colocated else (args.prefill, args.decode)
     threads = args.threads
     if not threads and not args.join and "RAY_ADDRESS" not in os.environ:  # every worker on this host

@@ -104,9 +104,11 @@ def test_a_port_out_of_range_is_a_usage_error(port: str, capsys: pytest.CaptureF
     [
         (["--max-prefill-chunk", "-1"], "max_prefill_chunk must be >= 0"),
         (["--num-blocks", "0"], "num_blocks must be >= 1"),
+        (["--max-running", "0"], "--max-running: Input should be greater than or equal to 1"),
+        (["--queue-timeout", "0", "--spill-streams", "-1"], "--queue-timeout: Input should be greater than 0; --spill"),
     ],
 )
-def test_a_bad_engine_option_is_one_line_before_anything_starts(flags: list[str], said: str) -> None:
+def test_a_bad_engine_or_router_option_is_one_line_before_anything_starts(flags: list[str], said: str) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["--port", str(free_port()), *flags])
     assert str(exit_.value.code).startswith("tandem serve: ") and said in str(exit_.value.code)
