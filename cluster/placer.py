@@ -49,6 +49,8 @@ class Placer:
         ledger. Raises NoWorkerError."""
         try:
             return self._route(self._view.current(), prompt_ids, params, exclude, policy)
+        except NoRoomError:  # room comes back through the ledger and the background refresh
+            raise
         except NoWorkerError:  # a worker that just came up may be missing from a view 0.25 s old
             return self._route(self._view.refresh(), prompt_ids, params, exclude, policy)
 

@@ -17,7 +17,7 @@ from cluster.placer import NoRoomError
 from cluster.routing import Route
 from router.errors import Saturated
 
-ROOM_POLL_S = 0.05
+ROOM_POLL_S = 0.1  # room comes back as requests end: seconds apart when every worker is full
 
 
 def route_when_room(route: Callable[[], Route], deadline: float, cancel: threading.Event) -> Route:
