@@ -23,6 +23,7 @@ import contextlib
 import logging
 import pickle
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -54,6 +55,14 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("the worker closed its feed")
         buf += chunk
     return bytes(buf)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the router closed its end of `sock` (it sends nothing after its token, so anything
+    there to read is the end). Raises OSError for a reset connection."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0)) and not sock.recv(1, socket.MSG_PEEK)
 
 
 def recv_frame(sock: socket.socket) -> list[Item]:
@@ -156,6 +165,8 @@ class Pusher:
                 self._give_back(self.subscriber, items)
                 return
             try:
+                if closed_by_peer(self._sock):  # a dead router's socket: without this, the first send still "succeeds"
+                    raise ConnectionResetError("the router closed its feed")
                 send_frame(self._sock, items)
             except OSError:
                 self._give_back(self.subscriber, items)

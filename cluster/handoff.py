@@ -114,30 +114,33 @@ class Attempt:
         reservation's ref, which Ray hands it once the decode worker has answered. The first
         token goes to the caller as soon as the prefill returns it, while the decode worker
         admits the request; its stream then starts at the second token. The reservation's lease
-        is renewed by the decode side's liveness probe, so a long queue never outlasts it."""
+        is renewed by the decode side's liveness probe, so a long queue never outlasts it.
+
+        The decode worker's feed is open before the reservation is made: should this router die
+        while the prompt prefills, the worker's next (idle) send on the feed fails, and its
+        reservation goes within seconds (engine/outbox.py's `lost_s`), not at its lease's end."""
         rid, route, lease_s = self.request_id, self.route, self.waits.lease_s
         renew = {route.decode: lambda: self.decode.renew.remote(rid, lease_s)}
         live = Liveness({route.decode: self.decode, str(route.prefill): prefill}, self.waits, renew)
-        reservation = self.decode.reserve.remote(rid, len(self.prompt), lease_s, self.seam.feeds.subscriber)
-        self.stage = Stage.RESERVED
-        try:
-            ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)
-            result: PrefillResult = self._await(ref, live)
-        except AttemptFailed as e:
-            if e.suspect is None and ray.wait([reservation], timeout=0)[0]:
-                self._get(reservation, route.decode)  # blame the decode side when its reservation failed
-            raise
-        self.stage = Stage.PREFILLED
-        self.ledger.prefilled(rid, len(self.prompt) - result.cached_tokens, result.prefill_s)
-        times = (result.queue_s, result.prefill_s, result.transfer_s)
-        self.placement = Placement.of(str(route.prefill), route.decode, result.cached_tokens, times, result.transfer)
-        if result.first.finished:  # ended at its first token (EOS, max_tokens=1)
-            self.decode.release.remote(rid)
-            self.stage = Stage.DONE
-            yield result.first
-            return
-        feed = self.seam.feeds.open(route.decode, self.decode, rid)
-        try:
+        with self._feed(route.decode) as feed:
+            reservation = self.decode.reserve.remote(rid, len(self.prompt), lease_s, self.seam.feeds.subscriber)
+            self.stage = Stage.RESERVED
+            try:
+                ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)
+                result: PrefillResult = self._await(ref, live)
+            except AttemptFailed as e:
+                if e.suspect is None and ray.wait([reservation], timeout=0)[0]:
+                    self._get(reservation, route.decode)  # blame the decode side when its reservation failed
+                raise
+            self.stage = Stage.PREFILLED
+            self.ledger.prefilled(rid, len(self.prompt) - result.cached_tokens, result.prefill_s)
+            times, cached = (result.queue_s, result.prefill_s, result.transfer_s), result.cached_tokens
+            self.placement = Placement.of(str(route.prefill), route.decode, cached, times, result.transfer)
+            if result.first.finished:  # ended at its first token (EOS, max_tokens=1)
+                self.decode.release.remote(rid)
+                self.stage = Stage.DONE
+                yield result.first
+                return
             started = self.decode.start_decode.remote(
                 self.seam.feeds.subscriber, rid, self.prompt, result.first.token_ids[0], self.params,
                 self.waits.transfer_s, self.traceparent,
@@ -157,16 +160,13 @@ class Attempt:
                     # the next turn's prefill, on this prefill worker, then finds the answer cached too
                     self.decode.write_back.remote(f"{rid}.wb", self.prompt + answer, prefill)
                 yield out
-        finally:
-            self.seam.feeds.close(route.decode, rid)
 
     def _whole(self) -> Iterator[TokenOutput]:
         """The whole request on the route's one worker; the placement counts the prefix its engine
         had cached."""
         t0 = time.monotonic()
         worker = self.route.decode
-        feed = self.seam.feeds.open(worker, self.decode, self.request_id)
-        try:
+        with self._feed(worker) as feed:
             started = self.decode.start.remote(
                 self.seam.feeds.subscriber, self.request_id, self.prompt, self.params, self.traceparent
             )
@@ -175,6 +175,14 @@ class Attempt:
                 if self.placement is None:
                     self.placement = Placement(worker, worker, out.num_cached_tokens, prefill_s=time.monotonic() - t0)
                 yield out
+
+    @contextlib.contextmanager
+    def _feed(self, worker: str) -> Iterator[queue.SimpleQueue[Entry]]:
+        """This request's queue on the router's feed of `worker` (its decode handle), open
+        while the block runs."""
+        feed = self.seam.feeds.open(worker, self.decode, self.request_id)
+        try:
+            yield feed
         finally:
             self.seam.feeds.close(worker, self.request_id)
 

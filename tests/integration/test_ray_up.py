@@ -3,7 +3,8 @@
 Installs openssh-server and rsync (Debian), starts sshd on 127.0.0.1 only with a key that
 is accepted from 127.0.0.1 only, brings the cluster up, asks the router for a chat
 completion and the pools, starts a second router on the same pools and stops it (the pools
-stay), and another that is SIGKILLed mid-stream (its stream stops), brings the cluster
+stay), another that is SIGKILLed while a long prompt of its own prefills (the KV reserved for it is
+freed) and another SIGKILLed mid-stream (its stream stops), brings the cluster
 down, and checks that no Ray process is left and that the router stopped by itself, cleanly.
 """
 
@@ -14,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,9 @@ SECOND_URL = "http://127.0.0.1:8001"
 SECOND_LOG = Path("/tmp/tandem-loopback-serve-2.log")
 REDIS_PID = Path("/tmp/tandem-loopback-redis.pid")
 KILLED_ROUTER_S = 15  # Outboxes.lost_s (3 s), its reaper's tick and a heartbeat; the orphan wait is 30 s
+# Outboxes.lost_s, the idle feed frame that finds the feed broken (1 s), the reaper's tick and a heartbeat;
+# a reservation's lease ends 10 s after the router's last renewal
+RELEASED_S = 8
 GONE_S = 30  # after `ray down`, for the joined router to stop: ray_watch.GONE_AFTER_S and its own stop
 
 pytestmark = pytest.mark.skipif(
@@ -147,6 +152,41 @@ def killed_router(env: dict[str, str], token: str) -> None:
     assert not running(), f"a killed router's stream still decodes {KILLED_ROUTER_S} s on"
 
 
+def killed_router_mid_prefill(env: dict[str, str], token: str) -> None:
+    """A router SIGKILLed while a long prompt of its own prefills, with no stream on the decode
+    worker: the KV reserved there for it is freed within RELEASED_S (its feed to that worker was
+    open before it reserved, cluster/handoff.py), not at the lease's end."""
+    proc = start_router(env, token)
+    content = "Sum up this list: " + " ".join(f"item {i}," for i in range(1200))  # ~3.6K tokens
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    reserved = lambda: sum(int(w.get("reservations") or 0) for w in pools(URL, token))  # noqa: E731
+
+    answered: list[str] = []
+
+    def ask() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.post(f"{SECOND_URL}/v1/chat/completions", json=body, timeout=120)
+            answered.append(f"{r.status_code} {r.text[:500]}")
+
+    asking = threading.Thread(target=ask, daemon=True)
+    try:
+        asking.start()
+        end = time.monotonic() + 30
+        while not reserved():
+            assert time.monotonic() < end and asking.is_alive(), f"no reservation showed in the pools; {answered}"
+            time.sleep(0.1)
+        proc.kill()
+        killed = time.monotonic()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    while reserved() and time.monotonic() - killed < RELEASED_S:
+        time.sleep(0.25)
+    assert not reserved(), f"a killed router's reservation still holds KV {RELEASED_S} s on"
+    print(f"\na killed router's reservation was freed {time.monotonic() - killed:.1f} s after its SIGKILL")
+    asking.join(30)
+
+
 def ray_processes() -> str:
     return sh(
         "pgrep -fa 'raylet|gcs_server|tandem serve --join|tandem-loopback.*redis-server' | grep -v pgrep || true", 10
@@ -204,6 +244,7 @@ def test_ray_up_chat_pools_ray_down(sshd: None) -> None:
         token = (Path.home() / ".tandem_redis_password").read_text().strip()
         assert {"prefill", "decode"} <= set(workers(URL, token).values())
         second_router(env, token)
+        killed_router_mid_prefill(env, token)
         killed_router(env, token)
     finally:
         sh("ray down -y deploy/cluster.local.yaml", 300, check=False, env=env)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.feed_channel import ChannelTake, FeedListener, Pushers, recv_frame, send_frame
+from cluster.feed_channel import ChannelTake, FeedListener, Pushers, closed_by_peer, recv_frame, send_frame
 from engine.messages import TokenOutput
 from engine.outbox import Item, Outboxes
 from engine.outputs import RequestOutput
@@ -202,3 +202,13 @@ def test_frames_round_trip_whole() -> None:
         items: list[Item] = [("r1", TokenOutput.of(out(5))), ("r2", "RuntimeError: boom")]
         send_frame(a, items)
         assert recv_frame(b) == items
+
+
+def test_a_closed_router_end_is_seen_before_any_send() -> None:
+    """The worker looks for the router's end closing before each frame: the first send to a dead
+    router's socket would still succeed, delaying `lost` by a frame."""
+    worker, router = socket.socketpair()
+    with worker:
+        assert not closed_by_peer(worker)
+        router.close()
+        assert closed_by_peer(worker)
