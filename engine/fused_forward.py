@@ -54,7 +54,7 @@ def forward(
     for bit; norms, SiLU and attention sum in another order). Decode rows attend in C; a
     step's prefill chunks through paged_attention. A step of decode rows only takes the per-row
     int8 kernel wherever it runs, one with prefills as `model.per_row` says: where that is the
-    same kernel (AVX512-VNNI), a decode row computes the same bits in either step, so its
+    same kernel (AVX512-VNNI or AVX2), a decode row computes the same bits in either step, so its
     tokens do not depend on what else the step carries (nor on speculation's extra rows)."""
     cfg = model.config
     nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps

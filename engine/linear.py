@@ -30,9 +30,10 @@ class RowQuantWeight:
     @classmethod
     def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor) -> RowQuantWeight | None:
         """qweight int8 [out, in], scale [out]; None where the shape does not tile (out a multiple
-        of 16, in of 4)."""
+        of 16, in of 4) or a value is -128 (the kernel's AVX2 path needs |w| <= 127, which a
+        symmetric quantization, as Projection's, gives)."""
         n, k = qweight.shape
-        if n % 16 or k % 4:
+        if n % 16 or k % 4 or bool((qweight == -128).any()):
             return None
         packed = qweight.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
         sums = (qweight.sum(dim=1, dtype=torch.int32) * 128).contiguous()

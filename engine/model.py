@@ -5,7 +5,7 @@ per-token Python cost is one call per op. Q/K/V and gate/up are fused into one m
 In fp32 on the CPU a step runs engine/fused_forward.py instead: the small ops as C calls and
 decode rows attending in C (engine/native.py): there, dispatch was most of the step. Its int8
 matmuls quantize activations per row (engine/csrc/linear_i8.c), so a decode row's logits do not
-depend on the rows beside it; where that kernel is fast (AVX512-VNNI), the other steps' do too:
+depend on the rows beside it; where that kernel is fast (AVX512-VNNI or AVX2), the other steps' do too:
 fbgemm quantizes a whole prefill with one scale (7 bits of it), and its greedy first token matched
 fp32's on 12 of 40 chat prompts, against 30 of 40 per row (33 with the fused prefill).
 """

@@ -148,7 +148,7 @@ class NativeOps:
 
     @functools.cached_property
     def linear_i8_fast(self) -> bool:
-        """Whether linear_i8 runs the AVX512-VNNI kernel (else plain integer loops)."""
+        """Whether linear_i8 runs a vector kernel, AVX512-VNNI's or AVX2's (else plain integer loops)."""
         return bool(self._lib.linear_i8_fast())
 
     @functools.cached_property

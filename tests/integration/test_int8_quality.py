@@ -3,7 +3,7 @@
 The first token comes from the prefill. Through fbgemm's dynamic kernel, one activation scale
 spans the whole prompt (7 bits of it, reduce_range), and the first token matched fp32's on only
 12-13 of these 40 prompts. Quantized per row (engine/csrc/linear_i8.c, where the CPU has
-AVX512-VNNI), it matched on 30 of 40, with either prefill attention (torch's fp32 kernel or the
+AVX512-VNNI or AVX2), it matched on 30 of 40, with either prefill attention (torch's fp32 kernel or the
 bf16 one). The threshold, 24, sits between the two with room for other CPUs' rounding.
 """
 
@@ -25,7 +25,7 @@ MIN_FIRST_TOKENS = 24
 def test_int8_first_tokens_match_fp32s(engine_fp32: Engine, model_path: str) -> None:
     int8 = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256))
     if int8.model.per_row is None:
-        pytest.skip("no AVX512-VNNI here: the prefill keeps fbgemm's per-tensor kernel")
+        pytest.skip("no AVX512-VNNI or AVX2 here: the prefill keeps fbgemm's per-tensor kernel")
     tok = engine_fp32.tokenizer
     assert tok is not None
     prompts = [

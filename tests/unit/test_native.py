@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.linear import Projection, RowQuantWeight
+from engine.linear import Projection, RowQuantWeight, cpu_flags
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from tests.unit.conftest import HAS_CC
@@ -147,20 +147,25 @@ def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps, b
     assert float(err.max()) < 0.05
 
 
-def test_without_avx512_the_plain_loops_give_the_same_results(tmp_path: Path) -> None:
-    """The C code as a CPU without AVX-512 (or VNNI) runs it: the int8 product the same bits,
-    attention the same to rounding."""
+@pytest.mark.parametrize("without", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "plain"])
+def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_results(
+    tmp_path: Path, without: tuple[str, ...]
+) -> None:
+    """The C code as a CPU without AVX-512 (or VNNI) runs it, with AVX2 or without: the int8
+    product the same bits, attention the same to rounding."""
     if not HAS_CC:
         pytest.skip("no C compiler")
-    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f"))
+    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
     plain = native.NativeOps(ctypes.CDLL(str(path)))
     gen = torch.Generator().manual_seed(4)
     qweight = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=gen)
     scale = torch.rand(48, generator=gen) * 0.01 + 1e-4
     w = RowQuantWeight.from_int8(qweight, scale)
     assert w is not None
-    x = torch.randn(6, 64, generator=gen)
-    assert torch.equal(plain.linear_i8(x, w), per_row_reference(x, qweight, scale))
+    for rows in (1, 2, 3, 6, 37):  # the AVX2 kernel's tiles of 1-2 rows x 1-2 blocks
+        x = torch.randn(rows, 64, generator=gen) * 3
+        assert torch.equal(plain.linear_i8(x, w), per_row_reference(x, qweight, scale))
+    assert plain.linear_i8_fast == ("-mno-avx2" not in without and "avx2" in cpu_flags())
     k_cache, v_cache = torch.randn(64 * 16, 3, 64, generator=gen), torch.randn(64 * 16, 3, 64, generator=gen)
     lens = [300, 17]
     tables = torch.tensor(random_tables(gen, lens, 64, 16))
@@ -174,6 +179,9 @@ def test_without_avx512_the_plain_loops_give_the_same_results(tmp_path: Path) ->
 def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
     assert RowQuantWeight.from_int8(torch.zeros(24, 8, dtype=torch.int8), torch.ones(24)) is None  # out % 16
     assert RowQuantWeight.from_int8(torch.zeros(32, 6, dtype=torch.int8), torch.ones(32)) is None  # in % 4
+    minus_128 = torch.zeros(32, 8, dtype=torch.int8)
+    minus_128[3, 5] = -128  # the AVX2 kernel's |a| . (w signed as a) would overflow
+    assert RowQuantWeight.from_int8(minus_128, torch.ones(32)) is None
     assert Projection(torch.randn(24, 8), torch.float32, int8=True).rows is None
     assert Projection(torch.randn(32, 8), torch.float32).rows is None  # float weights: no copy
 
@@ -198,11 +206,11 @@ def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(o
 
 
 def test_an_int8_prompt_prefills_alike_alone_and_beside_others(ops: native.NativeOps) -> None:
-    """Prefill's int8 matmuls quantize per row too (where VNNI runs them): a prompt's tokens and
+    """Prefill's int8 matmuls quantize per row too (where AVX512-VNNI or AVX2 runs them): a prompt's tokens and
     logprobs do not depend on the prompts prefilled in the same step. Through fbgemm, whose one
     scale spans the whole step, they did (checked when this was written)."""
     if not ops.linear_i8_fast:
-        pytest.skip("no AVX512-VNNI: prefill keeps fbgemm")
+        pytest.skip("no AVX512-VNNI or AVX2: prefill keeps fbgemm")
     model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
     assert model.per_row is ops
     prompt, others = list(range(3, 40)), [[100] * 9, [((i * 37) % 120) * 9 % 120 + 1 for i in range(60)]]
@@ -219,11 +227,11 @@ def test_an_int8_prompt_prefills_alike_alone_and_beside_others(ops: native.Nativ
 
 def test_an_int8_decode_row_computes_alike_in_a_step_with_prefills(ops: native.NativeOps) -> None:
     """A decode row that shares its step with prefill chunks attends in C as in a decode-only
-    step, and (where VNNI runs the per-row kernel for both) projects alike: its tokens and
+    step, and (where AVX512-VNNI or AVX2 runs the per-row kernel for both) projects alike: its tokens and
     logprobs are the same bits as when it decodes alone, so served speculation and batching do
     not move a stream's text."""
     if not ops.linear_i8_fast:
-        pytest.skip("no AVX512-VNNI: steps with prefills project through fbgemm")
+        pytest.skip("no AVX512-VNNI or AVX2: steps with prefills project through fbgemm")
     model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
     stream, params = (
         list(range(5, 30)),
