@@ -29,7 +29,7 @@ from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.recent import RecentRequests
 from router.retry import retry_route
-from router.room_wait import route_when_room
+from router.room_wait import RoomQueue
 from router.settings import RouterSettings
 from router.tracing import RequestTracer, request_context
 from router.window import LoadWindow
@@ -170,6 +170,7 @@ class Dispatcher:
         self.admission = Admission(settings.max_running, settings.max_waiting, settings.max_waiting_total)
         self.window = LoadWindow()  # what the autoscaler reads
         self.recent = RecentRequests()  # what the console shows
+        self.room = RoomQueue()  # requests waiting for a worker with room, oldest first
         self.tracer = tracer
         metrics.running.set_function(lambda: self.admission.running)
         metrics.waiting.set_function(lambda: self.admission.waiting)
@@ -291,8 +292,8 @@ class _Attempt:
 
     def start(self) -> Iterator[StreamOutput]:
         deadline = self.trace.t_arrival + self.d.settings.queue_timeout_s  # a full pool is waited for
-        route = route_when_room(lambda: self.d.route(self.prompt, self.params, self.failed, self.suspects),
-                                deadline, self.cancel)  # fmt: skip
+        route = self.d.room.route(lambda: self.d.route(self.prompt, self.params, self.failed, self.suspects),
+                                  self.trace.t_arrival, deadline, self.cancel)  # fmt: skip
         self.trace.t_dispatch = time.monotonic()
         self.route = route
         return self.d.backend.generate(self.prompt, self.params, self.engine_id, route, self.trace.context.traceparent)

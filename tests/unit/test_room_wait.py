@@ -1,6 +1,7 @@
 """A full pool is a queue (router/room_wait.py): a request that finds every worker full waits
 for room until its queue deadline, then gets 429 with Retry-After; a client that leaves ends
-the wait. Through the real router app on a fake backend whose routing says "full"."""
+the wait; the oldest waiter gets room first. Directly, and through the real router app on a fake
+backend whose routing says "full"."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from cluster.cluster import NoRoomError, NoWorkerError
 from cluster.routing import Route
 from engine.tokenizer import Tokenizer
 from router.errors import Saturated
-from router.room_wait import route_when_room
+from router.room_wait import RoomQueue
 from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client
 
 ROUTE = Route("d0", "p0")
@@ -30,6 +31,16 @@ def full_for(n: int) -> tuple[list[int], Callable[[], Route]]:
         return ROUTE
 
     return calls, route
+
+
+def route_when_room(route: Callable[[], Route], deadline: float, cancel: threading.Event) -> Route:
+    """One request alone in a router's queue."""
+    room = RoomQueue()
+    try:
+        return room.route(route, time.monotonic(), deadline, cancel)
+    finally:
+        room.check_integrity()
+        assert room.waiting == 0
 
 
 def test_a_request_waits_for_room_and_then_runs() -> None:
@@ -76,3 +87,104 @@ def test_through_the_router_a_full_pool_delays_the_answer_and_then_says_429(smol
     r = c.post(CHAT, json=body)
     assert r.status_code == 429 and r.headers["retry-after"], r.text
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and "room" in r.json()["error"]["message"]
+
+
+class Pool:
+    """Room for `free` requests (a request that routes takes one), given back by `finish`."""
+
+    def __init__(self) -> None:
+        self.free = 0
+        self.lock = threading.Lock()
+        self.served: list[str] = []
+
+    def router(self, name: str) -> Callable[[], Route]:
+        def route() -> Route:
+            with self.lock:
+                if self.free == 0:
+                    raise NoRoomError("every worker that could run this request is full")
+                self.free -= 1
+                self.served.append(name)
+            return ROUTE
+
+        return route
+
+    def finish(self) -> None:
+        with self.lock:
+            self.free += 1
+
+
+def waiter(room: RoomQueue, pool: Pool, name: str, arrival: float, deadline: float, cancel: threading.Event) -> Waiter:
+    w = Waiter(room, pool.router(name), arrival, deadline, cancel)
+    w.start()
+    return w
+
+
+class Waiter(threading.Thread):
+    """A request waiting for room on its own thread; `outcome`: its route, or what it raised."""
+
+    def __init__(
+        self, room: RoomQueue, route: Callable[[], Route], arrival: float, deadline: float, cancel: threading.Event
+    ) -> None:
+        super().__init__(daemon=True)
+        self.args_ = (route, arrival, deadline, cancel)
+        self.room = room
+        self.outcome: Route | Exception | None = None
+
+    def run(self) -> None:
+        try:
+            self.outcome = self.room.route(*self.args_)
+        except (NoRoomError, Saturated) as e:
+            self.outcome = e
+
+
+def test_room_goes_to_the_oldest_waiter_and_newcomers_queue_behind() -> None:
+    """Four requests wait on a full pool (arrivals t0 + 0..3, queued in another order, one of them
+    a retry whose arrival is the oldest); room comes back one request at a time, and a fifth that
+    arrives while they wait does not take it before them."""
+    room, pool, t0 = RoomQueue(), Pool(), time.monotonic()
+    arrivals = (("c", 2.0), ("a", 0.0), ("d", 3.0), ("retry", -5.0))
+    waiters = [waiter(room, pool, n, t0 + a, t0 + 30, threading.Event()) for n, a in arrivals]
+    assert wait_until(lambda: room.waiting == 4)
+    room.check_integrity()
+    waiters.append(waiter(room, pool, "late", t0 + 10, t0 + 30, threading.Event()))
+    for served in range(1, 6):
+        pool.finish()
+        assert wait_until(lambda n=served: len(pool.served) == n), pool.served  # type: ignore[misc]
+        room.check_integrity()
+    for w in waiters:
+        w.join(5)
+        assert w.outcome == ROUTE
+    assert pool.served == ["retry", "a", "c", "d", "late"] and room.waiting == 0
+
+
+def test_a_waiter_that_leaves_or_times_out_lets_the_next_one_route() -> None:
+    room, pool, t0 = RoomQueue(), Pool(), time.monotonic()
+    cancel = threading.Event()
+    first = waiter(room, pool, "first", t0, t0 + 30, cancel)
+    assert wait_until(lambda: room.waiting == 1)
+    second = waiter(room, pool, "second", t0 + 1, t0 + 30, threading.Event())
+    assert wait_until(lambda: room.waiting == 2)
+    cancel.set()  # its client left
+    first.join(5)
+    assert isinstance(first.outcome, NoRoomError) and room.waiting == 1
+    pool.finish()
+    second.join(5)
+    assert second.outcome == ROUTE and pool.served == ["second"] and room.waiting == 0
+    # one behind a waiter with a later deadline times out at its own, not at the other's
+    blocker = waiter(room, pool, "blocker", t0, time.monotonic() + 1.0, threading.Event())
+    assert wait_until(lambda: room.waiting == 1)
+    behind = waiter(room, pool, "behind", t0 + 1, time.monotonic() + 0.2, threading.Event())
+    behind.join(5)
+    assert isinstance(behind.outcome, Saturated) and room.waiting == 1
+    blocker.join(5)
+    assert isinstance(blocker.outcome, Saturated) and room.waiting == 0
+    room.check_integrity()
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
