@@ -3,6 +3,8 @@
     tandem:{ns}:autoscale:leader    string  the deciding router's id; PEXPIRE = its lease
     tandem:{ns}:autoscale:windows   list    JSON windows of the routers standing by, oldest first;
                                             EXPIRE = a few intervals (no leader reads them)
+    tandem:{ns}:autoscale:changed   string  wall-clock seconds of the last change of sizes, so that
+                                            a router that takes the lead over keeps the cooldown
 
 router/window_share.py says what goes in them and why.
 """
@@ -49,3 +51,13 @@ class AutoscaleStore(StateStore):
         pipe.delete(key)
         got, _ = pipe.execute()
         return cast("list[str]", got)
+
+    @unavailable_as_state_error
+    def set_last_change(self, wall_s: float) -> None:
+        self._r.set(self.key("autoscale", "changed"), repr(wall_s))
+
+    @unavailable_as_state_error
+    def last_change(self) -> float | None:
+        """Wall-clock seconds of the autoscaler's last change of sizes, by any router; None if none."""
+        got = self._r.get(self.key("autoscale", "changed"))
+        return None if got is None else float(got)

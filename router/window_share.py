@@ -6,6 +6,8 @@ other's. So one router decides: the one holding a lease in Redis (three interval
 every interval; when it dies, another takes it within a lease). The others publish their window
 every interval instead of deciding, and the deciding one plans over its own window merged with
 theirs. Arrival times travel as wall-clock seconds and come back on the reader's monotonic clock.
+So does the time of the last change of sizes: a router that takes the lead over from one that
+died keeps its cooldown instead of changing the sizes again at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ class WindowShare(Protocol):
 
     def collect(self) -> list[Taken]:
         """The other routers' windows published since the last collect."""
+        ...
+
+    def changed(self, at: float) -> None:
+        """The sizes were changed at `at` (this router's monotonic clock)."""
+        ...
+
+    def last_change(self) -> float | None:
+        """When any router last changed the sizes, on this router's monotonic clock; None if never."""
         ...
 
 
@@ -76,6 +86,13 @@ class RedisWindowShare:
     def collect(self) -> list[Taken]:
         offset = _wall_minus_mono()
         return [decode(p, offset) for p in self.store.pop_windows()]
+
+    def changed(self, at: float) -> None:
+        self.store.set_last_change(at + _wall_minus_mono())
+
+    def last_change(self) -> float | None:
+        wall = self.store.last_change()
+        return None if wall is None else wall - _wall_minus_mono()
 
 
 def _wall_minus_mono() -> float:

@@ -169,9 +169,13 @@ def test_one_router_holds_the_autoscalers_lease_and_reads_the_others_windows(sta
     assert [t.requests for t in got] == [2, 1] and got[0].samples[0].prompt == 9
     assert abs(got[0].samples[0].arrival - time.monotonic()) < 5  # back on this process's clock
     assert a.collect() == []
+    assert a.last_change() is None
+    a.changed(time.monotonic() - 7.0)  # its last change of sizes, which the next leader's cooldown counts from
     # its holder stops renewing (a router that died): the other takes over within a lease (0.3 s)
     until(b.lead, 2.0, "the lease passing to the other router")
     assert not a.lead()
+    last = b.last_change()
+    assert last is not None and abs(time.monotonic() - last - 7.0) < 1.0
 
 
 def test_events_order_and_paging(state: ClusterState) -> None:

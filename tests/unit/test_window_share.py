@@ -6,6 +6,7 @@ the Redis one."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from fastapi.testclient import TestClient
 
@@ -40,6 +41,7 @@ class Shares:
     def __init__(self) -> None:
         self.holder = ""
         self.windows: list[Taken] = []
+        self.last_change: float | None = None  # one clock for every router here
 
     def of(self, owner: str) -> Share:
         return Share(self, owner)
@@ -60,13 +62,21 @@ class Share:
         got, self.shares.windows = self.shares.windows, []
         return got
 
+    def changed(self, at: float) -> None:
+        self.shares.last_change = at
 
-def router(backend: FakeBackend, share: Share) -> tuple[TestClient, Autoscaler]:
+    def last_change(self) -> float | None:
+        return self.shares.last_change
+
+
+def router(
+    backend: FakeBackend, share: Share, clock: Callable[[], float] = lambda: 1000.0
+) -> tuple[TestClient, Autoscaler]:
     c = client(backend)
     window: LoadWindow = c.app.state.dispatcher.window  # type: ignore[attr-defined]
     bounds = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 3, "decode": 3}, cooldown_s=60)
     config = AutoscaleConfig(SLO(ttft_s=5.0, tpot_s=0.005), bounds, 1.0)
-    return c, Autoscaler(backend, window, config, clock=lambda: 1000.0, share=share)
+    return c, Autoscaler(backend, window, config, clock=clock, share=share)
 
 
 def test_one_router_decides_over_every_routers_window(smollm_tokenizer: Tokenizer) -> None:
@@ -84,3 +94,29 @@ def test_one_router_decides_over_every_routers_window(smollm_tokenizer: Tokenize
     assert d is not None and d.changed and backend.desired == {"prefill": 1, "decode": 2}
     assert any("6 requests" in r for r in d.reasons), d.reasons  # its 2 and the other's 4
     assert shares.windows == []
+
+
+def test_a_router_that_takes_the_lead_over_keeps_the_cooldown(smollm_tokenizer: Tokenizer) -> None:
+    """The deciding router scales up, then dies (its lease lapses); the one that takes the lead
+    sees the same load, but the cooldown of the change the other made still holds it."""
+    backend = FakeBackend(smollm_tokenizer, token_delay_s=0.02)
+    shares, now = Shares(), [1000.0]
+    first, leader = router(backend, shares.of("a"), lambda: now[0])
+    second, successor = router(backend, shares.of("b"), lambda: now[0])
+    body = {"model": "fake-model", "messages": HELLO, "max_tokens": 4}
+    for _ in range(4):
+        assert first.post(CHAT, json=body).status_code == 200
+    d = leader.tick()
+    assert d is not None and d.changed and backend.desired == {"prefill": 1, "decode": 2}
+    shares.holder = ""  # its lease lapsed
+    now[0] += 10
+    for _ in range(4):
+        assert second.post(CHAT, json=body).status_code == 200
+    d = successor.tick()
+    assert d is not None and not d.changed and backend.desired == {"prefill": 1, "decode": 2}
+    assert any("cooldown: 50 s left" in r for r in d.reasons), d.reasons
+    now[0] += 60
+    for _ in range(4):
+        assert second.post(CHAT, json=body).status_code == 200
+    d = successor.tick()
+    assert d is not None and d.changed and backend.desired == {"prefill": 1, "decode": 3}
