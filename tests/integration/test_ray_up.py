@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +147,15 @@ def killed_router(env: dict[str, str], token: str) -> None:
     finally:
         proc.kill()
         proc.wait(10)
-    while running() and time.monotonic() - killed < KILLED_ROUTER_S:
-        time.sleep(0.5)
+    wait_while(running, killed, KILLED_ROUTER_S)
     assert not running(), f"a killed router's stream still decodes {KILLED_ROUTER_S} s on"
+
+
+def wait_while(still: Callable[[], bool], since: float, limit_s: float) -> float:
+    """Poll `still` until it is false or `limit_s` has passed since `since`; the seconds since."""
+    while still() and time.monotonic() - since < limit_s:
+        time.sleep(0.25)
+    return time.monotonic() - since
 
 
 def killed_router_mid_prefill(env: dict[str, str], token: str) -> None:
@@ -180,10 +186,9 @@ def killed_router_mid_prefill(env: dict[str, str], token: str) -> None:
     finally:
         proc.kill()
         proc.wait(10)
-    while reserved() and time.monotonic() - killed < RELEASED_S:
-        time.sleep(0.25)
+    freed_s = wait_while(reserved, killed, RELEASED_S)
     assert not reserved(), f"a killed router's reservation still holds KV {RELEASED_S} s on"
-    print(f"\na killed router's reservation was freed {time.monotonic() - killed:.1f} s after its SIGKILL")
+    print(f"\na killed router's reservation was freed {freed_s:.1f} s after its SIGKILL")
     asking.join(30)
 
 

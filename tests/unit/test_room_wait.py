@@ -17,6 +17,7 @@ from engine.tokenizer import Tokenizer
 from router.errors import Saturated
 from router.room_wait import RoomQueue
 from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client
+from tests.unit.kv_harness import wait_for
 
 ROUTE = Route("d0", "p0")
 
@@ -144,12 +145,12 @@ def test_room_goes_to_the_oldest_waiter_and_newcomers_queue_behind() -> None:
     room, pool, t0 = RoomQueue(), Pool(), time.monotonic()
     arrivals = (("c", 2.0), ("a", 0.0), ("d", 3.0), ("retry", -5.0))
     waiters = [waiter(room, pool, n, t0 + a, t0 + 30, threading.Event()) for n, a in arrivals]
-    assert wait_until(lambda: room.waiting == 4)
+    assert wait_for(lambda: room.waiting == 4)
     room.check_integrity()
     waiters.append(waiter(room, pool, "late", t0 + 10, t0 + 30, threading.Event()))
     for served in range(1, 6):
         pool.finish()
-        assert wait_until(lambda n=served: len(pool.served) == n), pool.served  # type: ignore[misc]
+        assert wait_for(lambda n=served: len(pool.served) == n), pool.served  # type: ignore[misc]
         room.check_integrity()
     for w in waiters:
         w.join(5)
@@ -161,9 +162,9 @@ def test_a_waiter_that_leaves_or_times_out_lets_the_next_one_route() -> None:
     room, pool, t0 = RoomQueue(), Pool(), time.monotonic()
     cancel = threading.Event()
     first = waiter(room, pool, "first", t0, t0 + 30, cancel)
-    assert wait_until(lambda: room.waiting == 1)
+    assert wait_for(lambda: room.waiting == 1)
     second = waiter(room, pool, "second", t0 + 1, t0 + 30, threading.Event())
-    assert wait_until(lambda: room.waiting == 2)
+    assert wait_for(lambda: room.waiting == 2)
     cancel.set()  # its client left
     first.join(5)
     assert isinstance(first.outcome, NoRoomError) and room.waiting == 1
@@ -172,19 +173,10 @@ def test_a_waiter_that_leaves_or_times_out_lets_the_next_one_route() -> None:
     assert second.outcome == ROUTE and pool.served == ["second"] and room.waiting == 0
     # one behind a waiter with a later deadline times out at its own, not at the other's
     blocker = waiter(room, pool, "blocker", t0, time.monotonic() + 1.0, threading.Event())
-    assert wait_until(lambda: room.waiting == 1)
+    assert wait_for(lambda: room.waiting == 1)
     behind = waiter(room, pool, "behind", t0 + 1, time.monotonic() + 0.2, threading.Event())
     behind.join(5)
     assert isinstance(behind.outcome, Saturated) and room.waiting == 1
     blocker.join(5)
     assert isinstance(blocker.outcome, Saturated) and room.waiting == 0
     room.check_integrity()
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
