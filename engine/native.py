@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c", "prefill_attention.c"))
-HEADERS = (CSRC / "common.h", CSRC / "attention_int8.h")
+HEADERS = (CSRC / "common.h", CSRC / "attention_int8.h", CSRC / "attention_avx2.h")
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")

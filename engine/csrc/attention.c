@@ -2,7 +2,8 @@
  * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, and int8
  * ones (engine/kv_codec.py: per token and kv head, head_dim codes then the fp32 scale), whose
  * codes are scaled as they are read: a quarter of the bytes, which is what bounds long contexts.
- * Where the CPU has AVX512-VNNI, int8 caches are summed in integers instead (attention_int8.h).
+ * Where the CPU has AVX512-VNNI, int8 caches are summed in integers instead (attention_int8.h);
+ * where it has AVX2 but no AVX-512, the two inner loops run as attention_avx2.h's.
  */
 #include "common.h"
 #ifdef __AVX512F__
@@ -15,6 +16,7 @@
 /* Keys of one row that one work item takes: long contexts split into segments (as flash-decoding
  * does) so that one row still keeps every thread busy; merged after. */
 #define SEGMENT 256
+#include "attention_avx2.h"
 #include "attention_int8.h"
 
 /* CALL(NH) with NH the constant 1-4 that `n` heads (>= 1) ask for, 4 where more: the kernels
@@ -151,6 +153,10 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                 }
         }
     } else
+#elif defined(AVX2_ATTENTION)
+    if (head_dim % 8 == 0)
+        avx2_scores(q, k_cache, coded, slot, n, heads, kv_heads, head_dim, scale, scores);
+    else
 #endif
         for (int64_t j = 0; j < n; j++)
             for (int64_t g = 0; g < kv_heads; g++) {
@@ -197,6 +203,11 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
 #undef PV
                 }
         }
+        return;
+    }
+#elif defined(AVX2_ATTENTION)
+    if (head_dim % 16 == 0) {
+        avx2_values(scores, v_cache, coded, slot, n, heads, kv_heads, head_dim, o);
         return;
     }
 #endif

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
+from engine.kv_codec import KVCodec
 from engine.linear import Projection, RowQuantWeight, cpu_flags
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
@@ -152,7 +153,7 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     tmp_path: Path, without: tuple[str, ...]
 ) -> None:
     """The C code as a CPU without AVX-512 (or VNNI) runs it, with AVX2 or without: the int8
-    product the same bits, attention the same to rounding."""
+    product the same bits, attention the same to rounding, over fp32 caches and int8 ones."""
     if not HAS_CC:
         pytest.skip("no C compiler")
     path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
@@ -170,10 +171,13 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     lens = [300, 17]
     tables = torch.tensor(random_tables(gen, lens, 64, 16))
     qkv = torch.randn(2, 15 * 64, generator=gen)
-    got = plain.decode_attention(qkv, 9, k_cache, v_cache, tables, torch.tensor(lens), 16)
     q = qkv[:, : 9 * 64].reshape(2, 9, 64)
-    expected = dense_reference(q, k_cache, v_cache, tables.tolist(), lens, 16)
-    torch.testing.assert_close(got.view(2, 9, 64).double(), expected, atol=2e-5, rtol=1e-4)
+    int8 = KVCodec.of("int8", torch.float32)
+    for k, v in ((k_cache, v_cache), (int8.encode(k_cache), int8.encode(v_cache))):
+        got = plain.decode_attention(qkv, 9, k, v, tables, torch.tensor(lens), 16)
+        keys, values = (int8.decode(k), int8.decode(v)) if k.dtype == torch.int8 else (k, v)
+        expected = dense_reference(q, keys, values, tables.tolist(), lens, 16)
+        torch.testing.assert_close(got.view(2, 9, 64).double(), expected, atol=6e-5, rtol=1e-4)
 
 
 def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
