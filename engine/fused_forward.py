@@ -55,7 +55,9 @@ def forward(
     step's prefill chunks through paged_attention. A step of decode rows only takes the per-row
     int8 kernel wherever it runs, one with prefills as `model.per_row` says: where that is the
     same kernel (AVX512-VNNI or AVX2), a decode row computes the same bits in either step, so its
-    tokens do not depend on what else the step carries (nor on speculation's extra rows)."""
+    tokens do not depend on what else the step carries (nor on speculation's extra rows). A step
+    of decode rows only, with no layer callback, runs the layer loop from C in one call where
+    the model has its stack (engine/decode_stack.py): the same calls, so the same bits."""
     cfg = model.config
     nh, nkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     qs, kvs = cfg.q_size, cfg.kv_size
@@ -64,6 +66,9 @@ def forward(
     proj = native if decode_only else model.per_row
     t = input_ids.shape[0]
     h = F.embedding(input_ids, model.embed)  # [T, hidden], a new tensor: updated in place below
+    if decode_only and on_layer_done is None and model.decode_stack is not None:  # the loop below, from C
+        model.decode_stack.run(native, h, positions, cache, meta)
+        return model.logits(h[logits_indices], proj, native)
     delta: torch.Tensor | None = None  # what the last layer adds to h
     for i, lw in enumerate(model.layers):
         x = native.rms_norm(h, lw.attn_norm, eps, delta)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine import fused_forward
 from engine.attention import AttentionMetadata, PrefillAttention, paged_attention
 from engine.config import ModelConfig
+from engine.decode_stack import DecodeStack
 from engine.fused_forward import project
 from engine.linear import Projection
 from engine.native import MAX_HEAD_DIM, NativeOps, ops
@@ -129,6 +130,8 @@ class LlamaModel:
         self.native = ops() if dtype == torch.float32 and d <= MAX_HEAD_DIM else None
         # int8 projections of every step through the per-row kernel, where it is fast (see above)
         self.per_row = self.native if self.native is not None and int8 and self.native.linear_i8_fast else None
+        # a decode step's layers as one C call, where every projection has its per-row weight
+        self.decode_stack = DecodeStack.of(self) if self.native is not None else None
         # Prefill attention with bf16 dot products (engine/csrc/prefill_attention.c), where the
         # weights are int8 already (so the output is lossy anyway) and the CPU has AVX512-BF16:
         # 2-4x torch's fp32 flash kernel here. None: torch's SDPA, as fp32 weights get.
@@ -160,7 +163,7 @@ class LlamaModel:
             for lw in self.layers
         ]
         if device.type != "cpu":
-            self.native = self.per_row = self.prefill_attention = None
+            self.native = self.per_row = self.prefill_attention = self.decode_stack = None
         tied = self._lm_head_weight is self.embed
         self.embed, self.norm = self.embed.to(device), self.norm.to(device)
         self._lm_head_weight = self.embed if tied else self._lm_head_weight.to(device)

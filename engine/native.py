@@ -1,6 +1,6 @@
-"""The decode step's small ops, its attention and its int8 matmuls as one C call each, and a
-prefill chunk's attention (engine/csrc/: decode.c, attention.c, linear_i8.c,
-prefill_attention.c), built on first use.
+"""The decode step's small ops, its attention and its int8 matmuls as one C call each, the whole
+layer stack of a decode step as one call, and a prefill chunk's attention (engine/csrc/:
+decode.c, attention.c, linear_i8.c, decode_layers.c, prefill_attention.c), built on first use.
 
 On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torch ops on a
 576-wide row at ~3 us apiece, and the KV of every decode row was gathered (copied) before SDPA
@@ -34,13 +34,16 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ModelConfig
 from engine.kv_codec import SCALE_BYTES
 from engine.linear import RowQuantWeight, cpu_flags
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c", "prefill_attention.c"))
+SOURCES = tuple(
+    CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c", "prefill_attention.c", "decode_layers.c")
+)
 HEADERS = (CSRC / "common.h", CSRC / "attention_int8.h", CSRC / "attention_avx2.h")
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
@@ -55,13 +58,20 @@ _SIGNATURES = {
     "decode_attention": (_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
+    "decode_layers": (_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F, _I),
     "prefill_attention_fast": (),
     "linear_i8_fast": (),
     "decode_attention_int8_fast": (),
 }
 # these return an int: 0, or -1 without scratch (prefill_attention: -2 for a shape it does not
 # take); the *_fast ones 1 where the vector kernel is built, else 0
-_STATUS = ("decode_attention", "linear_i8", "prefill_attention", *(n for n in _SIGNATURES if n.endswith("_fast")))
+_STATUS = (
+    "decode_attention",
+    "linear_i8",
+    "prefill_attention",
+    "decode_layers",
+    *(n for n in _SIGNATURES if n.endswith("_fast")),
+)
 
 
 class NativeOps:
@@ -145,6 +155,34 @@ class NativeOps:
         if status != 0:
             raise MemoryError(f"int8 linear's scratch for {rows} rows of {w.in_features}")
         return out
+
+    def decode_layers(
+        self,
+        h: torch.Tensor,
+        weights: torch.Tensor,
+        kv: torch.Tensor,
+        kv_int8: bool,
+        cfg: ModelConfig,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        """h through every layer as a step of decode rows (engine/csrc/decode_layers.c), in place:
+        weights the table engine/decode_stack.py builds, kv the whole cache [layers, 2, ...].
+        Raises MemoryError without scratch."""
+        rows, layers, d = h.shape[0], weights.shape[0], cfg.head_dim
+        status = self._lib.decode_layers(h.data_ptr(), rows, layers, weights.data_ptr(), kv.data_ptr(),
+                                         kv.stride(1) * kv.element_size(), kv_int8, cfg.hidden_size, cfg.num_heads,
+                                         cfg.num_kv_heads, d, cfg.intermediate_size, cfg.rms_norm_eps,
+                                         positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
+                                         tables.data_ptr(), tables.stride(0), lens.data_ptr(), block_size, d**-0.5,
+                                         torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"the decode layers' scratch for {rows} rows")
 
     @functools.cached_property
     def linear_i8_fast(self) -> bool:
