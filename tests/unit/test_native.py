@@ -20,7 +20,7 @@ from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from tests.unit.conftest import HAS_CC
 from tests.unit.test_paged_decode import dense_reference, random_tables
-from tests.unit.tiny import TINY, make_engine, tiny_weights
+from tests.unit.tiny import TINY, generate_checked, make_engine, tiny_weights
 
 
 @pytest.fixture
@@ -98,9 +98,7 @@ def test_the_models_decode_through_them_equals_its_torch_path(ops: native.Native
     results = []
     for fused in (ops, None):
         model.native = fused
-        engine = make_engine(model, num_blocks=128, kv_dtype=kv_dtype)
-        results.append(engine.generate(prompts, params) + engine.generate(prompts[1:2], params))
-        engine.check_integrity()
+        results.append(generate_checked(model, prompts, params, kv_dtype=kv_dtype))
     for c_out, torch_out in zip(*results, strict=True):
         assert c_out.token_ids == torch_out.token_ids
         for a, b in zip(c_out.logprobs, torch_out.logprobs, strict=True):

@@ -7,6 +7,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
+from engine.outputs import Completion
+from engine.sampling_params import SamplingParams
 from engine.weights import random_weights
 
 TINY = ModelConfig(
@@ -33,3 +35,14 @@ def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 def make_engine(model: LlamaModel, **kw: object) -> Engine:
     cfg = EngineConfig(dtype="fp32", block_size=4, **kw)  # type: ignore[arg-type]
     return Engine(model, None, cfg)
+
+
+def generate_checked(
+    model: LlamaModel, prompts: list[list[int]], params: SamplingParams, **kw: object
+) -> list[Completion]:
+    """The prompts on a fresh engine over `model`, then the second again (its prefix cached
+    now), the engine's integrity checked after."""
+    engine = make_engine(model, num_blocks=128, **kw)
+    out = engine.generate(prompts, params) + engine.generate(prompts[1:2], params)
+    engine.check_integrity()
+    return out
