@@ -102,6 +102,11 @@ def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
                    facts={**facts, "retried": len(affected)})  # fmt: skip
 
 
+def resumed_after(s: Stream, t: float) -> float:
+    """Seconds from t to the stream's first token after it (to its end, where none came)."""
+    return next((x for x in s.token_times if x > t), s.end) - t
+
+
 def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
     """2 decode workers, n streams; SIGSTOP the busier one for `stop_s`, then SIGCONT."""
     c.pools(prefill=1, decode=2)
@@ -128,6 +133,9 @@ def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
         **same_answers(base, run, c.client.max_tokens),
         "others_tpot_ratio": percentile(others, 50) / percentile(undisturbed, 50) if others and undisturbed else 0.0,
         "affected_max_s": max((s.e2e for s in affected), default=0.0),
+        # from the freeze to each moved stream's next token: under stop_s, it moved before the
+        # worker woke (e2e also counts the stream's tokens before the freeze: a slow CPU's)
+        "affected_resumed_max_s": max((resumed_after(s, t_fault) for s in affected), default=0.0),
     }
     recovery = c.whole_again(t_fault, prefill=1, decode=2)
     return outcome("decode SIGSTOP", base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(),

@@ -27,9 +27,8 @@ from engine.sampling_params import SamplingParams
 from tests.integration.waits import until
 
 STREAMS = 64
-# ~0.3-0.6 s per decode step of 64 sequences on one CPU thread: 50 tokens hold full load for
-# 15-30 s, a hundred pings and more (100 tokens had cost the suite 35-40 s more on a slow CPU)
-LONG = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+# ~0.3-0.4 s per decode step of 64 sequences on one CPU thread: ~100 tokens run 30-40 s
+LONG = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
 PING_BUDGET_S = 1.0
 
 

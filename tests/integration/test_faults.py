@@ -65,7 +65,7 @@ def test_decode_worker_frozen_for_15_s(chaos: Chaos) -> None:
     r = decode_stop(chaos, n=16, stop_s=15.0)
     clean(r)
     assert r.facts["same_text"] == 16 and r.facts["migrated"] > 0, r.facts
-    assert r.facts["affected_max_s"] < 15.0, "the frozen worker's streams moved before it woke up"
+    assert r.facts["affected_resumed_max_s"] < 15.0, "the frozen worker's streams moved before it woke up"
     assert 0 < r.facts["others_tpot_ratio"] <= 2.0, r.facts
 
 
