@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem bench efficiency", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke check: fewer requests per concurrency")
     ap.add_argument("--model", default="", help="GGUF file or HF directory (default: bundled SmolLM2)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8"],
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16", "int8", "int4"],
                     help="both sides (default: tandem serve's, auto)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads per worker and engine (0: as tandem serve, the cores split)")  # fmt: skip

@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "bf16", "fp32", "fp16", "int8"],
-        help="auto: bf16 where the CPU has bf16 hardware, else fp32; int8: W8A8 dynamic (HF quantized alike)",
+        choices=["auto", "bf16", "fp32", "fp16", "int8", "int4"],
+        help="auto: see engine.linear.auto_dtype; int8: W8A8 (HF quantized alike); int4: 4-bit layers (HF in fp32)",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)

@@ -68,7 +68,7 @@ def measure(e: Engine, lengths: list[int], caps: list[int], rounds: int, seed: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench hol", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     ap.add_argument("--threads", type=int, default=1, help="as a worker of 1P+1D on 2 cores")
     ap.add_argument("--cap", type=int, default=None, help="the chunk cap measured (default: EngineConfig's)")
     ap.add_argument("--quick", action="store_true", help="2K and 4K prompts, 1 round (else 2K/4K/8K, 2 rounds)")

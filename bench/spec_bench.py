@@ -219,7 +219,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8", "int4"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128, help="single stream; batch16 runs half of it")
     ap.add_argument("--single", type=int, default=4, help="prompts run one at a time, in turn (1-16)")

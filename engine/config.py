@@ -11,11 +11,13 @@ from engine.roles import ROLES, Role
 
 CPU_PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk
 # "int8": weights quantized per channel, activations in fp32 (and the KV cache, unless kv_dtype says otherwise).
+# "int4": the layers' weights in 4 bits (a GGUF's own Q4_1 blocks), the LM head int8, activations in fp32.
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
     "int8": torch.float32,
+    "int4": torch.float32,
 }
 
 
@@ -128,8 +130,8 @@ class EngineConfig:
     def weight_dtype(self) -> str:
         """The dtype, `auto` resolved for this CPU: bf16 where it has AMX, else int8 (fp32, or bf16
         on AVX512-BF16, where torch lacks int8 kernels); see engine.linear.auto_dtype. Off the
-        CPU, `auto` and `int8` are bf16: the int8 kernels (fbgemm) are CPU-only."""
-        if self.torch_device.type != "cpu" and self.dtype in ("auto", "int8"):
+        CPU, `auto`, `int8` and `int4` are bf16: their kernels are CPU-only."""
+        if self.torch_device.type != "cpu" and self.dtype in ("auto", "int8", "int4"):
             return "bf16"
         if self.dtype != "auto":
             return self.dtype

@@ -104,5 +104,8 @@ def forward(
 
 
 def project(native: NativeOps | None, p: Projection, x: torch.Tensor) -> torch.Tensor:
-    """p(x), through the per-row int8 kernel of `native` where p has its copy (x contiguous fp32)."""
+    """p(x), through the 4-bit or the per-row int8 kernel of `native` where p has its weight (x
+    contiguous fp32)."""
+    if native is not None and p.q4 is not None:
+        return native.linear_q4(x, p.q4)
     return native.linear_i8(x, p.rows) if native is not None and p.rows is not None else p(x)

@@ -27,6 +27,7 @@ from engine.fused_forward import project
 from engine.linear import Projection
 from engine.native import MAX_HEAD_DIM, NativeOps, ops
 from engine.paged_cache import PagedKVCache
+from engine.q4_weight import Q4Weight
 from engine.weights import Weights
 
 LayerCallback = Callable[[int], None]
@@ -55,8 +56,17 @@ ProjectionSource = Callable[[str], Projection]
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype, int8: bool = False) -> None:
-        """dtype: activations and KV cache. int8: quantize the projection weights per channel."""
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        dtype: torch.dtype,
+        int8: bool = False,
+        int4: Weights | None = None,
+    ) -> None:
+        """dtype: activations and KV cache. int8: quantize the projection weights per channel. int4:
+        Q4_1 block rows by HF name (engine/weights.py's load_q4_1_blocks): the projections they
+        cover kept in 4 bits as stored (engine/q4_weight.py), the rest (and the LM head) int8."""
         top = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
         if config.tie_embeddings:
             top["lm_head"] = top["embed"]
@@ -71,15 +81,20 @@ class LlamaModel:
             return weights[hf_names(name)[0]].to(dtype).contiguous()
 
         def projection(name: str) -> Projection:
-            return Projection(torch.cat([weights[n] for n in hf_names(name)]), dtype, int8)
+            names = hf_names(name)
+            if int4 is not None and all(n in int4 for n in names):
+                q4 = Q4Weight.from_blocks(torch.cat([int4[n] for n in names]))
+                if q4 is not None:
+                    return Projection.of_q4(q4)
+            return Projection(torch.cat([weights[n] for n in names]), dtype, int8 or int4 is not None)
 
-        self._build(config, dtype, int8, tensor, projection)
+        self._build(config, dtype, int8 or int4 is not None, tensor, projection)
 
     @classmethod
     def from_state(cls, config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> LlamaModel:
         """The model whose `state()` this is, without converting or quantizing anything again."""
         model = cls.__new__(cls)
-        names = [k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".wt"))]
+        names = [k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".wt", ".q4_packed"))]
         # int8 re-packing is most of a cached load, and torch releases the GIL while packing
         with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
             projections = dict(zip(names, pool.map(lambda n: Projection.from_state(state, n), names), strict=True))

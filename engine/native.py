@@ -1,6 +1,7 @@
-"""The decode step's small ops, its attention and its int8 matmuls as one C call each, the whole
-layer stack of a decode step as one call, and a prefill chunk's attention (engine/csrc/:
-decode.c, attention.c, linear_i8.c, decode_layers.c, prefill_attention.c), built on first use.
+"""The decode step's small ops, its attention and its int8 and int4 matmuls as one C call each,
+the whole layer stack of a decode step as one call, and a prefill chunk's attention
+(engine/csrc/: decode.c, attention.c, linear_i8.c, linear_q4.c, decode_layers.c,
+prefill_attention.c), built on first use.
 
 On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torch ops on a
 576-wide row at ~3 us apiece, and the KV of every decode row was gathered (copied) before SDPA
@@ -37,13 +38,13 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_codec import SCALE_BYTES
 from engine.linear import RowQuantWeight, cpu_flags
+from engine.q4_weight import Q4Weight
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(
-    CSRC / name for name in ("decode.c", "attention.c", "linear_i8.c", "prefill_attention.c", "decode_layers.c")
-)
+_C_FILES = ("decode.c", "attention.c", "linear_i8.c", "linear_q4.c", "prefill_attention.c", "decode_layers.c")
+SOURCES = tuple(CSRC / name for name in _C_FILES)
 HEADERS = (CSRC / "common.h", CSRC / "attention_int8.h", CSRC / "attention_avx2.h")
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
@@ -57,10 +58,12 @@ _SIGNATURES = {
     "rope_write": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I),
     "decode_attention": (_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _P),
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
+    "linear_q4": (_P, _I, _I, _P, _P, _I, _I, _P),
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
-    "decode_layers": (_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F, _I),
+    "decode_layers": (_P, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F, _I),
     "prefill_attention_fast": (),
     "linear_i8_fast": (),
+    "linear_q4_fast": (),
     "decode_attention_int8_fast": (),
 }
 # these return an int: 0, or -1 without scratch (prefill_attention: -2 for a shape it does not
@@ -68,6 +71,7 @@ _SIGNATURES = {
 _STATUS = (
     "decode_attention",
     "linear_i8",
+    "linear_q4",
     "prefill_attention",
     "decode_layers",
     *(n for n in _SIGNATURES if n.endswith("_fast")),
@@ -156,10 +160,22 @@ class NativeOps:
             raise MemoryError(f"int8 linear's scratch for {rows} rows of {w.in_features}")
         return out
 
+    def linear_q4(self, x: torch.Tensor, w: Q4Weight) -> torch.Tensor:
+        """x [rows, in] @ W.T for 4-bit W, x quantized per row (engine/csrc/linear_q4.c): each row's
+        result depends on that row alone. On torch's threads. Raises MemoryError without scratch."""
+        rows = x.shape[0]
+        out = x.new_empty(rows, w.out_features)
+        status = self._lib.linear_q4(x.data_ptr(), rows, w.in_features, w.packed.data_ptr(), w.dm.data_ptr(),
+                                     w.out_features, torch.get_num_threads(), out.data_ptr())  # fmt: skip
+        if status != 0:
+            raise MemoryError(f"int4 linear's scratch for {rows} rows of {w.in_features}")
+        return out
+
     def decode_layers(
         self,
         h: torch.Tensor,
         weights: torch.Tensor,
+        q4: bool,
         kv: torch.Tensor,
         kv_int8: bool,
         cfg: ModelConfig,
@@ -172,10 +188,11 @@ class NativeOps:
         block_size: int,
     ) -> None:
         """h through every layer as a step of decode rows (engine/csrc/decode_layers.c), in place:
-        weights the table engine/decode_stack.py builds, kv the whole cache [layers, 2, ...].
+        weights the table engine/decode_stack.py builds (q4: of 4-bit weights), kv the whole cache
+        [layers, 2, ...].
         Raises MemoryError without scratch."""
         rows, layers, d = h.shape[0], weights.shape[0], cfg.head_dim
-        status = self._lib.decode_layers(h.data_ptr(), rows, layers, weights.data_ptr(), kv.data_ptr(),
+        status = self._lib.decode_layers(h.data_ptr(), rows, layers, weights.data_ptr(), q4, kv.data_ptr(),
                                          kv.stride(1) * kv.element_size(), kv_int8, cfg.hidden_size, cfg.num_heads,
                                          cfg.num_kv_heads, d, cfg.intermediate_size, cfg.rms_norm_eps,
                                          positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
@@ -188,6 +205,11 @@ class NativeOps:
     def linear_i8_fast(self) -> bool:
         """Whether linear_i8 runs a vector kernel, AVX512-VNNI's or AVX2's (else plain integer loops)."""
         return bool(self._lib.linear_i8_fast())
+
+    @functools.cached_property
+    def linear_q4_fast(self) -> bool:
+        """Whether linear_q4 runs its AVX2 tiles (else plain integer loops, the same bits)."""
+        return bool(self._lib.linear_q4_fast())
 
     @functools.cached_property
     def prefill_attention_fast(self) -> bool:

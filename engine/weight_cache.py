@@ -22,7 +22,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import LlamaModel
-from engine.weights import load_checkpoint
+from engine.weights import load_checkpoint, load_q4_1_blocks
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,12 @@ def cache_dirs(path: Path, digest: str) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, dtype_name: str, use_cache: bool = True) -> LlamaModel:
-    """The model at `path` in `dtype` (`dtype_name` "int8": int8 projections), from the cache
-    when it has an entry, else from the checkpoint (and then cached)."""
+    """The model at `path` in `dtype` (`dtype_name` "int8": int8 projections; "int4": 4-bit ones,
+    the file's own Q4_1 blocks where it has them), from the cache when it has an entry, else
+    from the checkpoint (and then cached)."""
     p = Path(path)
-    int8 = dtype_name == "int8"
     if not use_cache:
-        config, weights = load_checkpoint(p)
-        return LlamaModel(config, weights, dtype, int8)
+        return _convert(p, dtype, dtype_name)
     digest = checkpoint_hash(p)
     name = f"{digest[:24]}-{dtype_name}-v{FORMAT}.pt"
     dirs = cache_dirs(p, digest)
@@ -67,10 +66,17 @@ def load_model(path: str | Path, dtype: torch.dtype, dtype_name: str, use_cache:
             model = _read(d / name, dtype)
             if model is not None:
                 return model
-    config, weights = load_checkpoint(p)
-    model = LlamaModel(config, weights, dtype, int8)
+    model = _convert(p, dtype, dtype_name)
     _write(model, dirs, name, digest[:24])
     return model
+
+
+def _convert(path: Path, dtype: torch.dtype, dtype_name: str) -> LlamaModel:
+    config, weights = load_checkpoint(path)
+    int4 = load_q4_1_blocks(path) if dtype_name == "int4" else None
+    if int4 == {}:
+        log.info("%s has no Q4_1 blocks to keep: int4 runs its layers in int8", path)
+    return LlamaModel(config, weights, dtype, dtype_name in ("int8", "int4"), int4 or None)
 
 
 def _read(entry: Path, dtype: torch.dtype) -> LlamaModel | None:

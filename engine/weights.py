@@ -19,8 +19,10 @@ import torch
 
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.q4_weight import q4_1_rows
 
 Weights = dict[str, torch.Tensor]
+_Q4_1 = 3  # GGML's type number
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -109,6 +111,26 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, Weights]:
     # numpy releases the GIL while dequantizing, so threads use every core.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         return config, dict(pool.map(convert, wanted))
+
+
+def load_q4_1_blocks(path: str | Path) -> Weights:
+    """The Q4_1 tensors of a GGUF file as their raw block rows (uint8 [out, in / 32 * 20]), by HF
+    name, RoPE permutation undone (a permutation of rows, which blocks do not cross): `--dtype
+    int4`'s weights as the file stores them. Empty for any other checkpoint."""
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".gguf"):
+        return {}
+    gf = GGUFFile(p)
+    arch = gf.fields["general.architecture"]
+    heads = {"q": int(gf.fields[f"{arch}.attention.head_count"])}
+    heads["k"] = int(gf.fields.get(f"{arch}.attention.head_count_kv", heads["q"]))
+    out = {}
+    for t in gf.tensors:
+        if t.qtype == _Q4_1 and t.name.startswith("blk.") and len(t.shape) == 2:
+            name, rope = _gguf_name(t.name)
+            raw = gf.tensor_data(t)
+            out[name] = q4_1_rows(_unpermute_rope(raw, heads[rope]) if rope is not None else raw)
+    return out
 
 
 def _hf_config(cfg: dict[str, Any]) -> ModelConfig:

@@ -36,7 +36,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="serve with N colocated workers instead of P/D (for comparison)",
     )
-    ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=["auto", "bf16", "fp32", "fp16", "int8"])
+    dtypes = ["auto", "bf16", "fp32", "fp16", "int8", "int4"]
+    ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=dtypes)
     ap.add_argument(
         "--kv-dtype",
         default=env("TANDEM_KV_DTYPE", "auto"),

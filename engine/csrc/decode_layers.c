@@ -3,7 +3,7 @@
  * What it saves is the Python between them: ~270 calls a step through ctypes, each with its
  * argument conversion and a new torch tensor for its output (~3.5 ms of a 17 ms one-stream step
  * on a Zen 1 EPYC). Only for steps whose every row is a decode and whose every projection has
- * its per-row int8 weight (engine/decode_stack.py decides). */
+ * its per-row int8 weight, or every one its 4-bit weight (engine/decode_stack.py decides). */
 #include "common.h"
 
 /* the functions this file strings together (decode.c, linear_i8.c, attention.c) */
@@ -19,13 +19,18 @@ int decode_attention(const float *q, int64_t q_stride, const void *k_cache, cons
                      float *out);
 int linear_i8(const float *x, int64_t m, int64_t k, const int8_t *packed, const int32_t *sums, const float *wscale,
               int64_t n, int64_t threads, float *y);
+int linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *packed, const float *dm, int64_t n,
+              int64_t threads, float *y);
 
 /* A layer's row of `weights`: its two norms' weights, then packed, sums and scale of each of its
- * four projections (engine/linear.py's RowQuantWeight), as addresses. */
+ * four projections (engine/linear.py's RowQuantWeight), as addresses; for 4-bit weights packed,
+ * dm and 0 (engine/q4_weight.py's Q4Weight). */
 enum { ATTN_NORM, QKV, O = QKV + 3, MLP_NORM = O + 3, GATE_UP, DOWN = GATE_UP + 3, LAYER_WEIGHTS = DOWN + 3 };
 
-static int project(const int64_t *w, const float *x, int64_t rows, int64_t in, int64_t out, int64_t threads,
-                   float *y) {
+static int project(const int64_t *w, int64_t q4, const float *x, int64_t rows, int64_t in, int64_t out,
+                   int64_t threads, float *y) {
+    if (q4)
+        return linear_q4(x, rows, in, (const uint8_t *)w[0], (const float *)w[1], out, threads, y);
     return linear_i8(x, rows, in, (const int8_t *)w[0], (const int32_t *)w[1], (const float *)w[2], out, threads, y);
 }
 
@@ -33,7 +38,7 @@ static int project(const int64_t *w, const float *x, int64_t rows, int64_t in, i
  * row written into layer i's keys and values at kv + i * 2 * kv_half and one kv_half (bytes)
  * after. The rest as rope_write and decode_attention take them. Returns 0, or -1 where scratch
  * could not be allocated (h then half through the stack: the caller raises). */
-int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights, char *kv, int64_t kv_half,
+int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights, int64_t q4, char *kv, int64_t kv_half,
                   int64_t kv_int8, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                   int64_t intermediate, float eps, const int64_t *positions, const float *cos, const float *sin,
                   const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
@@ -49,16 +54,16 @@ int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights
         const int64_t *w = weights + i * LAYER_WEIGHTS;
         char *k_cache = kv + 2 * i * kv_half, *v_cache = k_cache + kv_half;
         rms_norm(h, i ? delta : NULL, (const float *)w[ATTN_NORM], x, rows, hidden, eps, threads);
-        status |= project(w + QKV, x, rows, hidden, qkv_n, threads, qkv);
+        status |= project(w + QKV, q4, x, rows, hidden, qkv_n, threads, qkv);
         rope_write(qkv, rows, qkv_n, heads, kv_heads, head_dim, positions, cos, sin, slots, k_cache, v_cache,
                    kv_int8, threads);
         status |= decode_attention(qkv, qkv_n, k_cache, v_cache, kv_int8, tables, table_stride, lens, rows, heads,
                                    kv_heads, head_dim, block_size, scale, threads, a);
-        status |= project(w + O, a, rows, q_size, hidden, threads, o);
+        status |= project(w + O, q4, a, rows, q_size, hidden, threads, o);
         rms_norm(h, o, (const float *)w[MLP_NORM], x, rows, hidden, eps, threads);
-        status |= project(w + GATE_UP, x, rows, hidden, 2 * intermediate, threads, gu);
+        status |= project(w + GATE_UP, q4, x, rows, hidden, 2 * intermediate, threads, gu);
         silu_mul(gu, act, rows, intermediate, threads);
-        status |= project(w + DOWN, act, rows, intermediate, hidden, threads, delta);
+        status |= project(w + DOWN, q4, act, rows, intermediate, hidden, threads, delta);
     }
     if (status == 0)
         for (int64_t j = 0; j < rows * hidden; j++) h[j] += delta[j];

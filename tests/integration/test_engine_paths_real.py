@@ -111,18 +111,20 @@ def test_speculation_gives_the_tokens_of_no_speculation(engine_fp32: Engine) -> 
     assert spec.speculator is not None and spec.speculator.accepted > 20
 
 
-def test_int8_speculation_with_arrivals_gives_the_tokens_of_none(model_path: str) -> None:
-    """int8 (what `auto` is here) and suffix speculation, as `tandem serve` runs by default, with
-    prompts arriving while others decode, so steps mix prefill chunks, decode rows and drafts:
-    every request's greedy tokens are those of speculation off (a row's bits do not depend on
-    its step where the per-row int8 kernel runs; without AVX512-VNNI or AVX2 prefills go through fbgemm)."""
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_speculation_with_arrivals_gives_the_tokens_of_none(model_path: str, dtype: str) -> None:
+    """int8 or int4 (what `auto` is, by CPU) and suffix speculation, as `tandem serve` runs by
+    default, with prompts arriving while others decode, so steps mix prefill chunks, decode rows
+    and drafts: every request's greedy tokens are those of speculation off (a row's bits do not
+    depend on its step where the per-row kernels run; without AVX512-VNNI or AVX2 int8 prefills
+    go through fbgemm)."""
     from engine.native import ops
 
     native = ops()
     if native is None or not native.linear_i8_fast:
         pytest.skip("no per-row int8 kernel (AVX512-VNNI or AVX2): steps with prefills quantize per tensor")
-    off = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=512, max_prefill_chunk=32))
-    on = Engine(off.model, off.tokenizer, EngineConfig(dtype="int8", num_blocks=512, max_prefill_chunk=32,
+    off = Engine.from_path(model_path, EngineConfig(dtype=dtype, num_blocks=512, max_prefill_chunk=32))
+    on = Engine(off.model, off.tokenizer, EngineConfig(dtype=dtype, num_blocks=512, max_prefill_chunk=32,
                                                        speculative="suffix"))  # fmt: skip
     prompts = chats(off) * 2
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -46,3 +46,22 @@ def generate_checked(
     out = engine.generate(prompts, params) + engine.generate(prompts[1:2], params)
     engine.check_integrity()
     return out
+
+
+def q4_1_blocks(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The layers' projection weights encoded as a GGUF file's Q4_1 blocks (fp16 scale and minimum
+    of each 32 inputs, then 16 bytes of nibbles: input j low, j + 16 high), as
+    engine/weights.py's load_q4_1_blocks returns a file's: what `int4` models are built from."""
+    out = {}
+    for name, w in weights.items():
+        if name.startswith("model.layers.") and w.dim() == 2:
+            n, k = w.shape
+            b = w.float().view(n, k // 32, 32)
+            lo = b.amin(-1).half()
+            d = ((b.amax(-1) - lo.float()) / 15).half()
+            step = torch.where(d.float() > 0, d.float(), 1.0)[..., None]
+            q = ((b - lo.float()[..., None]) / step).round().clamp(0, 15).to(torch.uint8)
+            nibbles = q[..., :16] | (q[..., 16:] << 4)
+            dm = torch.stack([d, lo], dim=-1).view(torch.uint8).view(n, k // 32, 4)
+            out[name] = torch.cat([dm, nibbles], dim=-1).reshape(n, -1).contiguous()
+    return out
