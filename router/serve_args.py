@@ -36,8 +36,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="serve with N colocated workers instead of P/D (for comparison)",
     )
-    dtypes = ["auto", "bf16", "fp32", "fp16", "int8", "int4"]
-    ap.add_argument("--dtype", default=env("TANDEM_DTYPE", "auto"), choices=dtypes)
+    ap.add_argument(
+        "--dtype",
+        default=env("TANDEM_DTYPE", "auto"),
+        choices=["auto", "bf16", "fp32", "fp16", "int8", "int4"],
+        help="weights and activations: auto picks by CPU (the startup line says what); int4 keeps a Q4_1 GGUF's "
+        "layers as stored",
+    )
     ap.add_argument(
         "--kv-dtype",
         default=env("TANDEM_KV_DTYPE", "auto"),
