@@ -128,8 +128,9 @@ class EngineConfig:
 
     @property
     def weight_dtype(self) -> str:
-        """The dtype, `auto` resolved for this CPU: bf16 where it has AMX, else int8 (fp32, or bf16
-        on AVX512-BF16, where torch lacks int8 kernels); see engine.linear.auto_dtype. Off the
+        """The dtype, `auto` resolved for this CPU: bf16 where it has AMX, int4 on AVX2 without
+        AVX512-VNNI, else int8 (fp32, or bf16 on AVX512-BF16, where torch lacks int8 kernels); see
+        engine.linear.auto_dtype. Off the
         CPU, `auto`, `int8` and `int4` are bf16: their kernels are CPU-only."""
         if self.torch_device.type != "cpu" and self.dtype in ("auto", "int8", "int4"):
             return "bf16"

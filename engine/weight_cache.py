@@ -22,6 +22,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import LlamaModel
+from engine.native import ops
 from engine.weights import load_checkpoint, load_q4_1_blocks
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ def load_model(path: str | Path, dtype: torch.dtype, dtype_name: str, use_cache:
     the file's own Q4_1 blocks where it has them), from the cache when it has an entry, else
     from the checkpoint (and then cached)."""
     p = Path(path)
+    if dtype_name == "int4" and ops() is None:
+        log.warning("int4 runs on the C kernels (engine/native.py), unavailable here: the layers run int8")
+        dtype_name = "int8"
     if not use_cache:
         return _convert(p, dtype, dtype_name)
     digest = checkpoint_hash(p)

@@ -6,7 +6,7 @@
  * its per-row int8 weight, or every one its 4-bit weight (engine/decode_stack.py decides). */
 #include "common.h"
 
-/* the functions this file strings together (decode.c, linear_i8.c, attention.c) */
+/* the functions this file strings together (decode.c, linear_i8.c, linear_q4.c, attention.c) */
 void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t n, float eps,
               int64_t threads);
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int64_t threads);
@@ -38,8 +38,8 @@ static int project(const int64_t *w, int64_t q4, const float *x, int64_t rows, i
  * row written into layer i's keys and values at kv + i * 2 * kv_half and one kv_half (bytes)
  * after. The rest as rope_write and decode_attention take them. Returns 0, or -1 where scratch
  * could not be allocated (h then half through the stack: the caller raises). */
-int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights, int64_t q4, char *kv, int64_t kv_half,
-                  int64_t kv_int8, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights, int64_t q4, char *kv,
+                  int64_t kv_half, int64_t kv_int8, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                   int64_t intermediate, float eps, const int64_t *positions, const float *cos, const float *sin,
                   const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                   int64_t block_size, float scale, int64_t threads) {

@@ -19,6 +19,8 @@ from engine.linear import cpu_flags
 from engine.model import LlamaModel
 from engine.q4_weight import Q4Weight
 from engine.sampling_params import SamplingParams
+from engine.weight_cache import load_model
+from engine.weights import save_hf_dir
 from tests.unit.tiny import TINY, generate_checked, make_engine, q4_1_blocks, tiny_weights
 
 
@@ -157,6 +159,25 @@ def test_it_reloads_from_its_state_and_runs_without_the_c_ops(
     try:
         assert native.ops() is None
         torch.testing.assert_close(p(x), exact)
+    finally:
+        monkeypatch.undo()
+        native.ops.cache_clear()
+
+
+def test_a_checkpoint_without_q4_1_blocks_or_without_the_c_ops_runs_int8(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_hf_dir(tmp_path, TINY, tiny_weights())  # safetensors: nothing 4-bit to keep
+    with caplog.at_level("INFO", logger="engine.weight_cache"):
+        model = load_model(tmp_path, torch.float32, "int4", use_cache=False)
+    assert all(p.q4 is None and p.int8 for p in model.projections())
+    assert "has no Q4_1 blocks to keep" in caplog.text
+    monkeypatch.setenv("TANDEM_NATIVE", "0")
+    native.ops.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="engine.weight_cache"):
+            load_model(tmp_path, torch.float32, "int4", use_cache=False)
+        assert "int4 runs on the C kernels" in caplog.text
     finally:
         monkeypatch.undo()
         native.ops.cache_clear()
