@@ -74,6 +74,16 @@ static inline float sum(const float *a, int64_t n) {
     return s;
 }
 
+/* max |a_i|: a row's per-row int8 quantization scale is this / 127 (linear_i8.c, linear_q4.c) */
+static inline float abs_max(const float *a, int64_t n) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float v = fabsf(a[i]);
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
 static inline float max_of(const float *a, int64_t n) {
     float acc[LANES];
     for (int l = 0; l < LANES; l++) acc[l] = a[0];

@@ -31,11 +31,7 @@
 static void quantize_rows_q4(const float *x, int64_t m, int64_t k, int8_t *xq, float *xsum, float *xscale) {
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * k;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < k; i++) {
-            float a = fabsf(xr[i]);
-            amax = a > amax ? a : amax;
-        }
+        float amax = abs_max(xr, k);
         float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         xscale[r] = amax > 0.0f ? amax / 127.0f : 0.0f;
         int8_t *q = xq + r * k;

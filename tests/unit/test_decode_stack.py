@@ -1,5 +1,6 @@
 """engine/decode_stack.py: a decode step's layers as one C call give the bits of the same C ops
-called layer by layer (engine/fused_forward.py), and it is taken only where it can be. (An int8
+called layer by layer (engine/fused_forward.py), int8 weights or int4, and it is taken only
+where it can be. (An int8
 model's speculation, through the stack, against none: test_native.py.)"""
 
 from __future__ import annotations
@@ -11,20 +12,21 @@ from engine import native
 from engine.decode_stack import DecodeStack
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
-from tests.unit.tiny import TINY, generate_checked, tiny_weights
+from tests.unit.tiny import TINY, generate_checked, quantized_model, tiny_weights
 
 PROMPTS = [[5, 9, 11], list(range(1, 40)), [7] * 17, [100, 2]]
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True, logprobs=3),
 ], ids=["greedy", "seeded"])  # fmt: skip
 def test_the_stack_in_one_call_is_the_layer_by_layer_step_bit_for_bit(
-    ops: native.NativeOps, kv_dtype: str, params: SamplingParams
+    ops: native.NativeOps, weights: str, kv_dtype: str, params: SamplingParams
 ) -> None:
-    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
+    model = quantized_model(weights)
     stack = model.decode_stack
     assert stack is not None and model.native is ops
     results = []

@@ -1,8 +1,8 @@
 """int4: the layers' weights as a GGUF file's Q4_1 blocks (engine/q4_weight.py), multiplied by
 engine/csrc/linear_q4.c with the activations quantized per row. The blocks are the file's values
-exactly; the AVX2 tiles and the plain loops give the same bits; a model in int4 decodes alike
-through its one-call stack and layer by layer, with speculation and without, and reloads from
-its state. (The real model: tests/integration/test_int8_quality.py.)"""
+exactly; the AVX2 tiles and the plain loops give the same bits; a model in int4 reloads from its
+state. (Its one-call stack: test_decode_stack.py; speculation and batching leaving its tokens as
+they are: test_native.py, as int8's; the real model: tests/integration/test_int8_quality.py.)"""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from engine.q4_weight import Q4Weight
 from engine.sampling_params import SamplingParams
 from engine.weight_cache import load_model
 from engine.weights import save_hf_dir
-from tests.unit.tiny import TINY, generate_checked, make_engine, q4_1_blocks, tiny_weights
+from tests.unit.tiny import TINY, generate_checked, quantized_model, tiny_weights
 
 
 def random_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -87,58 +87,18 @@ def test_the_avx2_tiles_and_the_plain_loops_give_the_same_bits(
             assert torch.equal(plain.linear_q4(x, w), ops.linear_q4(x, w))
 
 
-def int4_model() -> LlamaModel:
-    weights = tiny_weights()
-    return LlamaModel(TINY, weights, torch.float32, int4=q4_1_blocks(weights))
-
-
 def test_an_int4_model_keeps_its_layers_in_4_bits_and_its_lm_head_int8(ops: native.NativeOps) -> None:
-    model = int4_model()
+    model = quantized_model("int4")
     layers = [p for lw in model.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)]
     assert all(p.q4 is not None and p.rows is None for p in layers)
     assert model.lm_head is not None and model.lm_head.int8
     assert model.decode_stack is not None and model.native is ops
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_its_stack_in_one_call_is_its_layer_by_layer_step_bit_for_bit(ops: native.NativeOps, kv_dtype: str) -> None:
-    model = int4_model()
-    params = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True, logprobs=3)
-    prompts = [[5, 9, 11], list(range(1, 40)), [7] * 17]
-    results = []
-    for stack in (model.decode_stack, None):
-        model.decode_stack = stack
-        results.append(generate_checked(model, prompts, params, kv_dtype=kv_dtype))
-    for one_call, by_layer in zip(*results, strict=True):
-        assert one_call.token_ids == by_layer.token_ids
-        assert [(x.token_id, x.logprob) for x in one_call.logprobs if x] == [
-            (x.token_id, x.logprob) for x in by_layer.logprobs if x
-        ]
-
-
-def test_speculation_and_batching_leave_its_tokens_as_they_are(ops: native.NativeOps) -> None:
-    """Per-row activations: a row's product does not depend on the rows beside it, so speculation
-    on gives speculation off's tokens and logprobs, and a prompt prefills alike beside others."""
-    model = int4_model()
-    looping = [([(7 * i + 3 * j) % 120 + 1 for j in range(5)] * 6)[: 12 + 5 * i] for i in range(4)]
-    params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
-    off = make_engine(model, num_blocks=128).generate(looping, params)
-    spec = make_engine(model, num_blocks=128, speculative="ngram")
-    on = spec.generate(looping, params)
-    spec.check_integrity()
-    assert spec.speculator is not None and 0 < spec.speculator.accepted < spec.speculator.drafted
-    beside = make_engine(model, num_blocks=128)
-    alone = beside.generate([looping[1]], params)[0]
-    beside.check_integrity()
-    for a, b in [*zip(on, off, strict=True), (alone, off[1])]:
-        assert a.token_ids == b.token_ids
-        assert [(x.token_id, x.logprob) for x in a.logprobs if x] == [(x.token_id, x.logprob) for x in b.logprobs if x]
-
-
 def test_it_reloads_from_its_state_and_runs_without_the_c_ops(
     ops: native.NativeOps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = int4_model()
+    model = quantized_model("int4")
     state = model.state()
     assert "layers.0.qkv.q4_packed" in state and "layers.0.qkv.qweight" not in state
     again = LlamaModel.from_state(TINY, state, torch.float32)

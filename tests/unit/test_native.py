@@ -20,7 +20,7 @@ from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from tests.unit.conftest import HAS_CC
 from tests.unit.test_paged_decode import dense_reference, random_tables
-from tests.unit.tiny import TINY, generate_checked, make_engine, tiny_weights
+from tests.unit.tiny import TINY, generate_checked, make_engine, quantized_model, tiny_weights
 
 
 @pytest.fixture
@@ -191,13 +191,16 @@ def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
     assert Projection(torch.randn(32, 8), torch.float32).rows is None  # float weights: no copy
 
 
-def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(
+    ops: native.NativeOps, kind: str
+) -> None:
     """The decode step's int8 matmuls quantize per row, so a verify step's extra rows leave the
     others' logits as they are: speculation on gives the tokens and logprobs of speculation off,
     bit for bit, in int8 too (through fbgemm's per-tensor kernel, the logprobs moved: checked
     when this was written)."""
-    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
-    assert model.native is ops and all(p.rows is not None for p in model.projections())
+    model = quantized_model(kind)
+    assert model.native is ops and all(p.rows is not None or p.q4 is not None for p in model.projections())
     looping = [([(7 * i + 3 * j) % 120 + 1 for j in range(5)] * 6)[: 12 + 5 * i] for i in range(4)]
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True, logprobs=2)
     off = make_engine(model, num_blocks=128).generate(looping, params)
@@ -210,13 +213,14 @@ def test_int8_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(o
         assert [(x.token_id, x.logprob) for x in a.logprobs if x] == [(x.token_id, x.logprob) for x in b.logprobs if x]
 
 
-def test_an_int8_prompt_prefills_alike_alone_and_beside_others(ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_prompt_prefills_alike_alone_and_beside_others(ops: native.NativeOps, kind: str) -> None:
     """Prefill's int8 matmuls quantize per row too (where AVX512-VNNI or AVX2 runs them): a prompt's tokens and
     logprobs do not depend on the prompts prefilled in the same step. Through fbgemm, whose one
     scale spans the whole step, they did (checked when this was written)."""
     if not ops.linear_i8_fast:
         pytest.skip("no AVX512-VNNI or AVX2: prefill keeps fbgemm")
-    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
+    model = quantized_model(kind)
     assert model.per_row is ops
     prompt, others = list(range(3, 40)), [[100] * 9, [((i * 37) % 120) * 9 % 120 + 1 for i in range(60)]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -230,14 +234,15 @@ def test_an_int8_prompt_prefills_alike_alone_and_beside_others(ops: native.Nativ
     ]
 
 
-def test_an_int8_decode_row_computes_alike_in_a_step_with_prefills(ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_decode_row_computes_alike_in_a_step_with_prefills(ops: native.NativeOps, kind: str) -> None:
     """A decode row that shares its step with prefill chunks attends in C as in a decode-only
     step, and (where AVX512-VNNI or AVX2 runs the per-row kernel for both) projects alike: its tokens and
     logprobs are the same bits as when it decodes alone, so served speculation and batching do
     not move a stream's text."""
     if not ops.linear_i8_fast:
         pytest.skip("no AVX512-VNNI or AVX2: steps with prefills project through fbgemm")
-    model = LlamaModel(TINY, tiny_weights(), torch.float32, int8=True)
+    model = quantized_model(kind)
     stream, params = (
         list(range(5, 30)),
         SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True, logprobs=2),

@@ -65,3 +65,11 @@ def q4_1_blocks(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             dm = torch.stack([d, lo], dim=-1).view(torch.uint8).view(n, k // 32, 4)
             out[name] = torch.cat([dm, nibbles], dim=-1).reshape(n, -1).contiguous()
     return out
+
+
+def quantized_model(kind: str) -> LlamaModel:
+    """The tiny model with int8 projections, or ("int4") its layers' weights as Q4_1 blocks."""
+    w = tiny_weights()
+    if kind == "int4":
+        return LlamaModel(TINY, w, torch.float32, int4=q4_1_blocks(w))
+    return LlamaModel(TINY, w, torch.float32, int8=True)
