@@ -82,7 +82,7 @@ class Projection:
         return {f"{name}.qweight": q.int_repr(), f"{name}.scale": q.q_per_channel_scales()}
 
     def _load(self, state: dict[str, torch.Tensor], q4: Q4Weight | None = None) -> None:
-        self.q4 = q4  # 4-bit weights, run by linear_q4.c only
+        self.q4 = q4  # 4-bit weights, for linear_q4.c (engine/native.py)
         self.int8 = "qweight" in state
         # int8: also the per-row kernel's copy, which the fused decode step reads (engine/native.py;
         # made here from the values at hand: unpacking fbgemm's copy later cost ~0.5 s a load)
@@ -101,13 +101,12 @@ class Projection:
             self.in_features, self.out_features = self._wt.shape
 
     def to(self, device: torch.device) -> None:
-        """Move the weight to `device`. Raises ValueError for int8 (fbgemm runs on the CPU only)
-        and int4 (engine/csrc)."""
-        if self.q4 is not None and device.type != "cpu":
-            raise ValueError(f"int4 projections run on the CPU only, not on {device}")
+        """Move the weight to `device`. Raises ValueError for int8 and int4 (their kernels, fbgemm's
+        and engine/csrc's, run on the CPU only)."""
         if self.int8 or self.q4 is not None:
             if device.type != "cpu":
-                raise ValueError(f"int8 projections run on the CPU only (fbgemm), not on {device}")
+                kind = "int4" if self.q4 is not None else "int8"
+                raise ValueError(f"{kind} projections run on the CPU only (fbgemm, engine/csrc), not on {device}")
             return
         self._wt = self._wt.to(device)
 
