@@ -30,10 +30,10 @@ MIN_FIRST_TOKENS = 24
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_first_tokens_match_fp32s(engine_fp32: Engine, model_path: str, dtype: str) -> None:
-    int8 = Engine.from_path(model_path, EngineConfig(dtype=dtype, num_blocks=256))
-    if int8.model.per_row is None:
+    quantized = Engine.from_path(model_path, EngineConfig(dtype=dtype, num_blocks=256))
+    if quantized.model.per_row is None:
         pytest.skip("no AVX512-VNNI or AVX2 here: the prefill keeps fbgemm's per-tensor kernel")
-    assert (dtype == "int4") == all(p.q4 is not None for lw in int8.model.layers for p in (lw.qkv, lw.down))
+    assert (dtype == "int4") == all(p.q4 is not None for lw in quantized.model.layers for p in (lw.qkv, lw.down))
     tok = engine_fp32.tokenizer
     assert tok is not None
     prompts = [
@@ -41,8 +41,8 @@ def test_first_tokens_match_fp32s(engine_fp32: Engine, model_path: str, dtype: s
     ]
     one = SamplingParams(max_tokens=1, temperature=0)
     want = [r.token_ids for r in engine_fp32.generate(prompts, one)]
-    got = [r.token_ids for r in int8.generate(prompts, one)]
-    int8.check_integrity()
+    got = [r.token_ids for r in quantized.generate(prompts, one)]
+    quantized.check_integrity()
     same = sum(a == b for a, b in zip(got, want, strict=True))
     print(f"{dtype} first token = fp32's on {same} of {len(prompts)} prompts")
     assert same >= MIN_FIRST_TOKENS
