@@ -69,7 +69,7 @@ def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeO
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
-@pytest.mark.parametrize("lens", [[1], [5, 16, 17], [300, 7, 129, 64], [1000, 1], [1537, 512, 513]])
+@pytest.mark.parametrize("lens", [[1], [100], [5, 16, 17], [300, 7, 129, 64], [1000, 1], [1537, 512, 513], [700, 63]])
 # heads, kv heads, head dim: SmolLM2's GQA; one q head a kv head; groups of 6 (tiles of 4 and 2)
 # over two 64-wide chunks; a head narrower than the AVX-512 value tiles (the plain loops)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 64), (12, 2, 128), (4, 2, 16)])
@@ -87,6 +87,30 @@ def test_decode_attention_reads_the_paged_cache(
     q = qkv[:, : nh * d].reshape(len(lens), nh, d)
     expected = dense_reference(q, k_cache, v_cache, tables, lens, bs)
     torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(ops: native.NativeOps) -> None:
+    """A row's keys split into segments by its own length alone (two from 64 keys on, so one row
+    keeps two threads busy), so the step around it moves no bit: speculation's exactness rests on
+    it (its draft rows verify in one step what later steps compute one by one)."""
+    gen = torch.Generator().manual_seed(7)
+    bs, num_blocks, (nh, nkv, d) = 16, 160, (9, 3, 64)
+    k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
+    lens = [100, 700, 40, 300, 65]
+    qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)
+    tables = torch.tensor(random_tables(gen, lens, num_blocks, bs))
+    together = ops.decode_attention(qkv, nh, k_cache, v_cache, tables, torch.tensor(lens), bs)
+    for i, n in enumerate(lens):
+        alone = ops.decode_attention(qkv[i : i + 1], nh, k_cache, v_cache, tables[i : i + 1], torch.tensor([n]), bs)
+        assert torch.equal(alone, together[i : i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = ops.decode_attention(qkv, nh, k_cache, v_cache, tables, torch.tensor(lens), bs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])  # fp32 cache rows, or int8 codes read in place
