@@ -1,14 +1,16 @@
 /* Decode attention's two inner loops (attention.c) on a CPU with AVX2 and FMA but no AVX-512,
  * where they had run as plain loops: a head's dot with each key alone, then a read-modify-write
  * of the head's sums in memory for each value. Here the scores take 8 keys at a time, their
- * sums reduced together, and the value sums run as register tiles of 16 dims for up to 4 heads
- * of a GQA group, each value vector loaded once for all of them. fp32 caches, or int8 rows
- * (head_dim codes, then their fp32 scale) converted as they are read. */
+ * sums reduced together (each block of keys for every head of its GQA group while it is in L1),
+ * and the value sums run as register tiles of up to 64 dims for up to 4 heads of a group, each
+ * value vector loaded once for all of them. Both prefetch the rows PF keys ahead. fp32 caches, or
+ * int8 rows (head_dim codes, then their fp32 scale) converted as they are read. */
 #ifndef TANDEM_ATTENTION_AVX2_H
 #define TANDEM_ATTENTION_AVX2_H
 /* SEGMENT: the most keys of one work item (attention.c) */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define AVX2_ATTENTION 1
+#define PF 8 /* keys ahead that the loops prefetch: the loads of a step's cold cache had stalled */
 #include <immintrin.h>
 
 /* 8 values at base + off (in elements: floats, or int8 codes where `coded`) as floats. */
@@ -51,65 +53,83 @@ static void avx2_scores(const float *q, const void *k_cache, int coded, const in
             if (coded) memcpy(&ks, kg + off[j] + head_dim, 4);
             kscale[j] = ks * scale;
         }
-        for (int64_t h = g * group; h < (g + 1) * group; h++)
-            for (int64_t j = 0; j < n; j += 8) {
+        for (int64_t j = 0; j < n; j += 8) { /* 8 keys (2 KB at D 64) stay in L1 for every head of the group */
+            for (int64_t i = j + PF; i < j + PF + 8 && i < n; i++) /* the 8 keys PF ahead */
+                for (int64_t b = 0; b < row * (coded ? 1 : 4); b += 64)
+                    _mm_prefetch(kg + off[i] * (coded ? 1 : 4) + b, _MM_HINT_T0);
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
                 __m256 d = coded ? dots8(q + h * head_dim, kg, off + j, 1, head_dim)
                                  : dots8(q + h * head_dim, kg, off + j, 0, head_dim);
                 float tmp[8];
                 _mm256_storeu_ps(tmp, _mm256_mul_ps(d, _mm256_loadu_ps(kscale + j)));
                 memcpy(scores + h * SEGMENT + j, tmp, (n - j < 8 ? n - j : 8) * sizeof(float));
             }
+        }
     }
 }
 
-/* o[t] = sum_j p[t][j] v_j over 16 dims for nh (1-4) heads: p rows SEGMENT apart, v_j at
- * v + off[j] (codes times vscale[j] where `coded`), o rows head_dim apart. nh and coded are
- * constants where called, so the sums stay in registers. */
+/* o[t] = sum_j p[t][j] v_j over 8 x w dims for nh (1-4) heads: p rows SEGMENT apart, v_j at
+ * v + off[j] (codes times vscale[j] where `coded`), o rows head_dim apart. nh, w and coded are
+ * constants where called (nh x w <= 12), so the sums stay in registers; each value row is read
+ * in as few passes as they allow (one at nh 1: at 4 passes a row, the loads missed). */
 static inline __attribute__((always_inline)) void pv_tile8(const float *p, const void *v, const int64_t *off,
-                                                           const float *vscale, int coded, int64_t n, int nh,
+                                                           const float *vscale, int coded, int64_t n, int nh, int w,
                                                            float *o, int64_t head_dim) {
-    __m256 acc[4][2];
-    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    __m256 acc[4][8];
+    for (int t = 0; t < nh; t++)
+        for (int c = 0; c < w; c++) acc[t][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        __m256 v0 = load8(v, off[j], coded), v1 = load8(v, off[j] + 8, coded);
+        __m256 vv[8];
+        for (int b = 0; b < 8 * w * (coded ? 1 : 4); b += 64) /* the row PF keys ahead (off is padded) */
+            _mm_prefetch((const char *)v + off[j + PF] * (coded ? 1 : 4) + b, _MM_HINT_T0);
+        for (int c = 0; c < w; c++) vv[c] = load8(v, off[j] + 8 * c, coded);
         for (int t = 0; t < nh; t++) {
             __m256 pt = _mm256_set1_ps(coded ? p[t * SEGMENT + j] * vscale[j] : p[t * SEGMENT + j]);
-            acc[t][0] = _mm256_fmadd_ps(pt, v0, acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(pt, v1, acc[t][1]);
+            for (int c = 0; c < w; c++) acc[t][c] = _mm256_fmadd_ps(pt, vv[c], acc[t][c]);
         }
     }
-    for (int t = 0; t < nh; t++) {
-        _mm256_storeu_ps(o + t * head_dim, acc[t][0]);
-        _mm256_storeu_ps(o + t * head_dim + 8, acc[t][1]);
-    }
+    for (int t = 0; t < nh; t++)
+        for (int c = 0; c < w; c++) _mm256_storeu_ps(o + t * head_dim + 8 * c, acc[t][c]);
 }
 
 /* o[h] = sum_j p[h][j] v_j for every query head, p = scores (rows SEGMENT apart), over the n
  * values at `slot`; head_dim a multiple of 16. */
 static void avx2_values(const float *scores, const void *v_cache, int coded, const int64_t *slot, int64_t n,
                         int64_t heads, int64_t kv_heads, int64_t head_dim, float *o) {
-    int64_t group = heads / kv_heads, row = coded ? head_dim + 4 : head_dim, off[SEGMENT];
+    int64_t group = heads / kv_heads, row = coded ? head_dim + 4 : head_dim, off[SEGMENT + PF];
     float vscale[SEGMENT];
-    for (int64_t j = 0; j < n; j++) off[j] = slot[j] * kv_heads * row;
+    for (int64_t j = 0; j < n + PF; j++) off[j] = slot[j < n ? j : n - 1] * kv_heads * row;
     for (int64_t g = 0; g < kv_heads; g++) {
         const char *vg = (const char *)v_cache + g * row * (coded ? 1 : 4);
         if (coded)
             for (int64_t j = 0; j < n; j++) memcpy(vscale + j, vg + off[j] + head_dim, 4);
-        for (int64_t c = 0; c < head_dim; c += 16)
-            for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+        for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+            int64_t nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
+            /* dims a pass: 64 for one head, 32 for two or three, 16 for four (12 sums at most) */
+            int64_t width = nh == 1 ? 64 : nh < 4 ? 32 : 16;
+            width = head_dim % width == 0 ? width : 16;
+            for (int64_t c = 0; c < head_dim; c += width) {
                 const float *sh = scores + h * SEGMENT;
                 float *oh = o + h * head_dim + c;
                 const void *vc = coded ? (const void *)(vg + c) : (const void *)((const float *)vg + c);
-#define PV8(NH) (coded ? pv_tile8(sh, vc, off, vscale, 1, n, NH, oh, head_dim) \
-                       : pv_tile8(sh, vc, off, NULL, 0, n, NH, oh, head_dim))
-                switch ((g + 1) * group - h) {
-                case 1: PV8(1); break;
-                case 2: PV8(2); break;
-                case 3: PV8(3); break;
-                default: PV8(4); break;
-                }
+#define PV8(NH, W) (coded ? pv_tile8(sh, vc, off, vscale, 1, n, NH, W, oh, head_dim) \
+                          : pv_tile8(sh, vc, off, NULL, 0, n, NH, W, oh, head_dim))
+                if (width == 16)
+                    switch (nh) {
+                    case 1: PV8(1, 2); break;
+                    case 2: PV8(2, 2); break;
+                    case 3: PV8(3, 2); break;
+                    default: PV8(4, 2); break;
+                    }
+                else if (nh == 1)
+                    PV8(1, 8);
+                else if (nh == 2)
+                    PV8(2, 4);
+                else
+                    PV8(3, 4);
 #undef PV8
             }
+        }
     }
 }
 #endif
