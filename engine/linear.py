@@ -2,8 +2,8 @@
 
 Float weights are kept transposed ([in, out], contiguous): `x @ w` runs 1.5-3x faster
 than F.linear on CPU for the small batches decode sees. int8 weights are quantized
-per output channel and run through fbgemm's dynamic-quantized kernel (VNNI on x86):
-a quarter of fp32's bytes, which is what bounds decode.
+per output channel, a quarter of fp32's bytes, which is what bounds decode, and run through
+engine/csrc/linear_i8.c where it builds (activations per row), else fbgemm's dynamic kernel.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ class Projection:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, int8: bool = False) -> None:
         if int8:
             w = weight.float()
-            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).double()
-            zero = torch.zeros(w.shape[0], dtype=torch.long)
-            q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
-            self._load({"qweight": q.int_repr(), "scale": scale})
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+            # round(w x fp32 1 / scale), as torch.quantize_per_channel rounds (the same int8 on all
+            # 211 of SmolLM2's matrices), without its quantized tensor, deprecated in torch 2.13
+            qweight = torch.round(w * (1.0 / scale)[:, None]).clamp(-127, 127).to(torch.int8)
+            self._load({"qweight": qweight, "scale": scale.double()})
         else:
             self._load({"wt": weight.t().to(dtype).contiguous()})
 
@@ -78,24 +79,22 @@ class Projection:
             return self.q4.state(name)
         if not self.int8:
             return {f"{name}.wt": self._wt}
-        q = torch.ops.quantized.linear_unpack(self._packed)[0]  # only the packed copy is kept
-        return {f"{name}.qweight": q.int_repr(), f"{name}.scale": q.q_per_channel_scales()}
+        qweight, scale = self._int8_values()
+        return {f"{name}.qweight": qweight, f"{name}.scale": scale}
 
     def _load(self, state: dict[str, torch.Tensor], q4: Q4Weight | None = None) -> None:
         self.q4 = q4  # 4-bit weights, for linear_q4.c (engine/native.py)
         self.int8 = "qweight" in state
-        # int8: also the per-row kernel's copy, which the fused decode step reads (engine/native.py;
-        # made here from the values at hand: unpacking fbgemm's copy later cost ~0.5 s a load)
+        # int8: the per-row kernel's layout (engine/csrc/linear_i8.c), the one copy of the values
+        # where they tile it; fbgemm's packed copy is made only if `__call__` runs (_fbgemm)
         self.rows: RowQuantWeight | None = None
         if q4 is not None:
             self.out_features, self.in_features = q4.out_features, q4.in_features
         elif self.int8:
-            qw, scale = state["qweight"], state["scale"]
+            qw, self._scale = state["qweight"], state["scale"]
             self.out_features, self.in_features = qw.shape
-            zero = torch.zeros(qw.shape[0], dtype=torch.long)
-            q = torch._make_per_channel_quantized_tensor(qw, scale, zero, 0)
-            self._packed = torch.ops.quantized.linear_prepack(q, None)
-            self.rows = RowQuantWeight.from_int8(qw, scale)
+            self.rows = RowQuantWeight.from_int8(qw, self._scale)
+            self._qweight = qw if self.rows is None else None
         else:
             self._wt = state["wt"]
             self.in_features, self.out_features = self._wt.shape
@@ -119,9 +118,30 @@ class Projection:
                 return x @ self.q4.dequantize().to(x.dtype).T
             return native.linear_q4(x.float().contiguous(), self.q4).to(x.dtype)
         if self.int8:
-            y: torch.Tensor = torch.ops.quantized.linear_dynamic(x, self._packed, True)
+            y: torch.Tensor = torch.ops.quantized.linear_dynamic(x, self._fbgemm, True)
             return y
         return torch.mm(x, self._wt)
+
+    def _int8_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 W [out, in] and its per-channel scales, as loaded (W back from the per-row layout)."""
+        if self.rows is None:
+            assert self._qweight is not None
+            return self._qweight, self._scale
+        r = self.rows
+        return r.packed.permute(0, 2, 1, 3).reshape(r.out_features, r.in_features), self._scale
+
+    @functools.cached_property
+    def _fbgemm(self) -> torch.ScriptObject:
+        """fbgemm's packed copy of the int8 weight, made on the first call that runs it: where the
+        C kernels are built (x86 with AVX2 or VNNI, or any CPU with a compiler) every step takes
+        them (engine/fused_forward.py), so this copy had doubled an int8 model's weight memory and
+        its load for nothing, and the quantized tensor it is made from is deprecated in torch 2.13
+        (a warning at every start)."""
+        qweight, scale = self._int8_values()
+        zero = torch.zeros(qweight.shape[0], dtype=torch.long)
+        q = torch._make_per_channel_quantized_tensor(qweight, scale, zero, 0)
+        packed: torch.ScriptObject = torch.ops.quantized.linear_prepack(q, None)
+        return packed
 
 
 def auto_dtype(flags: frozenset[str], int8_kernels: bool = True) -> str:

@@ -215,6 +215,28 @@ def test_a_weight_the_kernel_does_not_tile_keeps_fbgemm() -> None:
     assert Projection(torch.randn(32, 8), torch.float32).rows is None  # float weights: no copy
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # the fallback's, expected here
+def test_fbgemms_copy_of_an_int8_weight_is_made_only_when_a_call_runs_it() -> None:
+    """The per-row layout is an int8 projection's one copy of its values: fbgemm's packed copy
+    (from a quantized tensor, deprecated in torch 2.13) waits for a call that needs it, and the
+    values it is made from are the ones loaded, whether they tile the C kernel or not."""
+    gen = torch.Generator().manual_seed(3)
+    for out in (32, 24):  # tiles the per-row layout; does not (out % 16): fbgemm's alone
+        w = torch.randn(out, 64, generator=gen)
+        p = Projection(w, torch.float32, int8=True)
+        assert "_fbgemm" not in vars(p) and (p.rows is None) == (out == 24)
+        state = p.state("w")
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+        assert torch.equal(state["w.qweight"], torch.round(w / scale[:, None]).to(torch.int8))
+        again = Projection.from_state(state, "w")
+        assert all(torch.equal(a, b) for a, b in zip(again.state("w").values(), state.values(), strict=True))
+        x = torch.randn(5, 64, generator=gen)
+        expected = x @ (state["w.qweight"].float() * state["w.scale"].float()[:, None]).T
+        # fbgemm quantizes the activations per tensor, to 7 bits: 3.5% of the largest output here
+        torch.testing.assert_close(again(x), expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+        assert "_fbgemm" in vars(again)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_decode_rows_do_not_depend_on_their_batch_so_speculation_is_exact(
     ops: native.NativeOps, kind: str
