@@ -2,8 +2,9 @@
  * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, and int8
  * ones (engine/kv_codec.py: per token and kv head, head_dim codes then the fp32 scale), whose
  * codes are scaled as they are read: a quarter of the bytes, which is what bounds long contexts.
- * Where the CPU has AVX512-VNNI, int8 caches are summed in integers instead (attention_int8.h);
- * where it has AVX2 but no AVX-512, the two inner loops run as attention_avx2.h's.
+ * With AVX-512 the two inner loops run as attention_avx512.h's, with AVX2 alone as
+ * attention_avx2.h's; where the CPU has AVX512-VNNI, int8 caches are summed in integers instead
+ * (attention_int8.h).
  */
 #include "common.h"
 #ifdef __AVX512F__
@@ -18,6 +19,7 @@
 #define SEGMENT 256
 #define SPLIT_FROM 64 /* keys from which a row takes two or more segments */
 #include "attention_avx2.h"
+#include "attention_avx512.h"
 #include "attention_int8.h"
 
 /* CALL(NH) with NH the constant 1-4 that `n` heads (>= 1) ask for, 4 where more: the kernels
@@ -30,67 +32,6 @@
     default: CALL(4); break;     \
     }
 #define MAX_HEAD_DIM 512 /* engine/native.py's too */
-
-#ifdef __AVX512F__
-/* o[t] = sum_j p[t][j] v_j over 64 dims, for `nh` (1-4) query heads that share one kv head:
- * each value vector is loaded once for all of them, and the sums stay in registers. p: scores
- * rows SEGMENT apart; v_j at v + off[j], fp32, or int8 codes times vscale[j] where `coded`;
- * o rows head_dim apart. nh and coded are constants where called. */
-static inline __attribute__((always_inline)) void pv_tile(const float *p, const void *v, const int64_t *off,
-                                                          const float *vscale, int coded, int64_t n, int nh,
-                                                          float *o, int64_t head_dim) {
-    __m512 acc[4][4];
-    for (int t = 0; t < 4; t++)
-        for (int c = 0; c < 4; c++) acc[t][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j++) {
-        __m512 vv[4];
-        for (int c = 0; c < 4; c++)
-            vv[c] = coded ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                _mm_loadu_si128((const __m128i *)((const int8_t *)v + off[j] + 16 * c))))
-                          : _mm512_loadu_ps((const float *)v + off[j] + 16 * c);
-        for (int t = 0; t < nh; t++) {
-            __m512 pt = _mm512_set1_ps(coded ? p[t * SEGMENT + j] * vscale[j] : p[t * SEGMENT + j]);
-            for (int c = 0; c < 4; c++) acc[t][c] = _mm512_fmadd_ps(pt, vv[c], acc[t][c]);
-        }
-    }
-    for (int t = 0; t < nh; t++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + t * head_dim + 16 * c, acc[t][c]);
-}
-#endif
-
-#ifdef __AVX512F__
-/* The 16 sums of 16 vectors, in order, in one vector: pairs, then quads within each 128-bit lane,
- * then across lanes (15 shuffles and adds where 16 horizontal sums take ~64). */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 u[8], x[4];
-    for (int i = 0; i < 8; i++)
-        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
-}
-
-/* q . k_j for 16 keys of one kv head (key j at k + off[j]: fp32, or int8 codes where `coded`,
- * unscaled), head_dim a multiple of 16. */
-static inline __attribute__((always_inline)) __m512 dots16(const float *q, const void *k, const int64_t *off,
-                                                           int coded, int64_t head_dim) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 16) {
-        __m512 qd = _mm512_loadu_ps(q + d);
-        for (int j = 0; j < 16; j++) {
-            __m512 kd = coded ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                    _mm_loadu_si128((const __m128i *)((const int8_t *)k + off[j] + d))))
-                              : _mm512_loadu_ps((const float *)k + off[j] + d);
-            acc[j] = _mm512_fmadd_ps(qd, kd, acc[j]);
-        }
-    }
-    return sum16(acc);
-}
-#endif
 
 /* One kv head of one cached token as floats: in place for fp32, decoded into buf for int8 (the
  * codes; *scale their scale, 1 for fp32). */
