@@ -174,16 +174,11 @@ int decode_attention_int8_fast(void) {
 #endif
 }
 
-/* Each decode row's attention over its own context, straight from the paged cache, each query
- * head with the kv head its group shares (GQA). Work items (row, segment of SEGMENT keys) run on
- * `threads` OpenMP threads (the caller's team: torch's), then each row's segments are merged by
- * their maxima. q [rows, q_stride], its heads first; out [rows, heads * head_dim]. Returns 0, or
- * -1 with out untouched when its scratch cannot be allocated. */
 /* The keys of each segment of a row of `len` keys: at most SEGMENT, and an even count of equal
- * segments (to 16 keys) from SPLIT_FROM keys on, so that one row keeps two threads busy (a one-stream
- * step's attention ran on one of two: a quarter of the step at 400 keys on a Zen 1 EPYC). A
- * function of the row's length alone: a row's bits do not depend on what else the step holds
- * (speculation is exact by that) nor on the thread count. */
+ * segments (to 16 keys) from SPLIT_FROM keys on, so that one row keeps two threads busy (below
+ * 256 keys a one-stream step's attention had run on one thread of two: a quarter of the step's
+ * time on a Zen 1 EPYC). A function of the row's length alone: a row's bits do not depend on
+ * what else the step holds (speculation is exact by that) nor on the thread count. */
 static int64_t segment_len(int64_t len) {
     if (len < SPLIT_FROM)
         return SEGMENT;
@@ -192,6 +187,11 @@ static int64_t segment_len(int64_t len) {
     return ((len + segs - 1) / segs + 15) / 16 * 16;
 }
 
+/* Each decode row's attention over its own context, straight from the paged cache, each query
+ * head with the kv head its group shares (GQA). Work items (row, segment of segment_len keys) run on
+ * `threads` OpenMP threads (the caller's team: torch's), then each row's segments are merged by
+ * their maxima. q [rows, q_stride], its heads first; out [rows, heads * head_dim]. Returns 0, or
+ * -1 with out untouched when its scratch cannot be allocated. */
 int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t kv_int8,
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t threads,

@@ -81,16 +81,27 @@ def exp_approx(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(p * r * r + r + 1.0, n)
 
 
+def segment_len(n: int) -> int:
+    """engine/csrc/attention.c's: a row's keys in segments of at most 256, and an even count of
+    equal ones (to 16 keys) from 64 keys on."""
+    if n < 64:
+        return 256
+    segs = -(-n // 256)
+    segs += segs % 2
+    return (-(-n // segs) + 15) // 16 * 16
+
+
 def int16_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]], lens: list[int], bs: int
 ) -> torch.Tensor:
-    """What engine/csrc/attention_int8.h computes, in torch: per 256-key segment and head, the
-    query and the softmax weights (numerator times the value's scale) rounded to int16 by their
+    """What engine/csrc/attention_int8.h computes, in torch: per segment (segment_len) and head,
+    the query and the softmax weights (numerator times the value's scale) rounded to int16 by their
     largest magnitude, integer sums with the codes; the segments merged by their maxima."""
     rows, nh, d = q.shape
-    group, seg = nh // k_cache.shape[1], 256
+    group = nh // k_cache.shape[1]
     out = torch.zeros(rows, nh, d, dtype=torch.float64)
     for i in range(rows):
+        seg = segment_len(lens[i])
         slots = [tables[i][t // bs] * bs + t % bs for t in range(lens[i])]
         codes_k, scale_k = k_cache[slots][..., :d], scales(k_cache[slots])[..., 0]
         codes_v, scale_v = v_cache[slots][..., :d], scales(v_cache[slots])[..., 0]
