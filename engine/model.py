@@ -13,7 +13,6 @@ fp32's on 12 of 40 chat prompts, against 30 of 40 per row (33 with the fused pre
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -95,9 +94,7 @@ class LlamaModel:
         """The model whose `state()` this is, without converting or quantizing anything again."""
         model = cls.__new__(cls)
         names = [k.rsplit(".", 1)[0] for k in state if k.endswith((".qweight", ".wt", ".q4_packed"))]
-        # int8 re-packing is most of a cached load, and torch releases the GIL while packing
-        with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
-            projections = dict(zip(names, pool.map(lambda n: Projection.from_state(state, n), names), strict=True))
+        projections = {n: Projection.from_state(state, n) for n in names}
         model._build(config, dtype, "lm_head.qweight" in state, state.__getitem__, projections.__getitem__)
         return model
 
