@@ -130,13 +130,19 @@ class Projection:
         r = self.rows
         return r.packed.permute(0, 2, 1, 3).reshape(r.out_features, r.in_features), self._scale
 
+    def prepare_fbgemm(self) -> None:
+        """Make fbgemm's copy now (LlamaModel, where its steps will run it), not in a first call."""
+        if self.int8:
+            self._fbgemm  # noqa: B018 (the cached property is made here)
+
     @functools.cached_property
     def _fbgemm(self) -> torch.ScriptObject:
-        """fbgemm's packed copy of the int8 weight, made on the first call that runs it: where the
-        C kernels are built (x86 with AVX2 or VNNI, or any CPU with a compiler) every step takes
-        them (engine/fused_forward.py), so this copy had doubled an int8 model's weight memory and
-        its load for nothing, and the quantized tensor it is made from is deprecated in torch 2.13
-        (a warning at every start)."""
+        """fbgemm's packed copy of the int8 weight, made where fbgemm runs: without the C kernels,
+        on a CPU whose int8 kernel is the plain loops (prefill steps), or for a weight they do not
+        tile. On x86 with AVX2 or AVX512-VNNI every step takes the C kernels (engine/model.py's
+        per_row), so this copy had doubled an int8 model's weight memory and its load for nothing,
+        and the quantized tensor it is made from is deprecated in torch 2.13 (a warning at every
+        start)."""
         qweight, scale = self._int8_values()
         zero = torch.zeros(qweight.shape[0], dtype=torch.long)
         q = torch._make_per_channel_quantized_tensor(qweight, scale, zero, 0)

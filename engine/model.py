@@ -142,6 +142,9 @@ class LlamaModel:
         self.native = ops() if dtype == torch.float32 and d <= MAX_HEAD_DIM else None
         # int8 projections of every step through the per-row kernel, where it is fast (see above)
         self.per_row = self.native if self.native is not None and int8 and self.native.linear_i8_fast else None
+        for proj in self.projections():  # fbgemm's copies that steps will run: packed now, not in a request
+            if proj.int8 and (self.per_row is None or proj.rows is None):
+                proj.prepare_fbgemm()
         # a decode step's layers as one C call, where every projection has its per-row weight
         self.decode_stack = DecodeStack.of(self) if self.native is not None else None
         # Prefill attention with bf16 dot products (engine/csrc/prefill_attention.c), where the

@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from tests.unit.conftest import HAS_CC
 from tests.unit.test_native_linear import per_row_reference
 from tests.unit.test_paged_decode import dense_reference, random_tables
-from tests.unit.tiny import TINY, generate_checked, make_engine, tiny_weights
+from tests.unit.tiny import TINY, generate_checked, make_engine, quantized_model, tiny_weights
 
 
 @pytest.fixture
@@ -196,3 +196,20 @@ def test_tandem_native_0_turns_them_off(fresh_ops: None, monkeypatch: pytest.Mon
     monkeypatch.setenv("TANDEM_NATIVE", "0")
     assert native.ops() is None
     assert LlamaModel(TINY, tiny_weights(), torch.float32).native is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # the fallback's, expected here
+def test_an_int8_model_packs_fbgemm_at_load_only_where_its_steps_run_it(
+    fresh_ops: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the per-row kernel every step takes it, and no projection holds fbgemm's copy; without
+    the C ops every projection's copy is made at load, so no request waits for the packing."""
+    kernels = quantized_model("int8")
+    if kernels.per_row is not None:
+        assert not any("_fbgemm" in vars(p) for p in kernels.projections())
+    monkeypatch.setenv("TANDEM_NATIVE", "0")
+    native.ops.cache_clear()
+    torch_ops = quantized_model("int8")
+    assert torch_ops.native is None and all("_fbgemm" in vars(p) for p in torch_ops.projections())
+    out = make_engine(torch_ops, num_blocks=64).generate([[5, 9, 11]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].token_ids) == 4
