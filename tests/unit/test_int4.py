@@ -124,6 +124,7 @@ def test_it_reloads_from_its_state_and_runs_without_the_c_ops(
         native.ops.cache_clear()
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # fbgemm, the fallback here
 def test_a_checkpoint_without_q4_1_blocks_or_without_the_c_ops_runs_int8(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
