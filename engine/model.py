@@ -147,9 +147,10 @@ class LlamaModel:
                 proj.prepare_fbgemm()
         # a decode step's layers as one C call, where every projection has its per-row weight
         self.decode_stack = DecodeStack.of(self) if self.native is not None else None
-        # Prefill attention with bf16 dot products (engine/csrc/prefill_attention.c), where the
-        # weights are int8 already (so the output is lossy anyway) and the CPU has AVX512-BF16:
-        # 2-4x torch's fp32 flash kernel here. None: torch's SDPA, as fp32 weights get.
+        # Prefill attention in C (engine/csrc/prefill_attention.c) where the weights are int8 or
+        # int4 (so the output is lossy anyway): bf16 dot products with AVX512-BF16, 2-4x torch's
+        # fp32 flash kernel there; fp32 with AVX2 and no AVX-512, 1.1-3x it. None: torch's SDPA,
+        # as fp32 weights get.
         self.prefill_attention: PrefillAttention | None = (
             self.native.prefill_attention
             if self.native is not None and int8 and d in (32, 64, 128) and self.native.prefill_attention_fast

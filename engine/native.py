@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 _C_FILES = ("decode.c", "attention.c", "linear_i8.c", "linear_q4.c", "prefill_attention.c", "decode_layers.c")
 SOURCES = tuple(CSRC / name for name in _C_FILES)
-HEADERS = tuple(CSRC / h for h in ("common.h", "attention_int8.h", "attention_avx2.h", "attention_avx512.h"))
+HEADERS = tuple(
+    CSRC / h
+    for h in ("common.h", "attention_int8.h", "attention_avx2.h", "attention_avx512.h", "prefill_attention_avx2.h")
+)
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
@@ -62,6 +65,7 @@ _SIGNATURES = {
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
     "decode_layers": (_P, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F, _I),
     "prefill_attention_fast": (),
+    "prefill_attention_bf16": (),
     "linear_i8_fast": (),
     "linear_q4_fast": (),
     "decode_attention_int8_fast": (),
@@ -74,6 +78,7 @@ _STATUS = (
     "linear_q4",
     "prefill_attention",
     "decode_layers",
+    "prefill_attention_bf16",
     *(n for n in _SIGNATURES if n.endswith("_fast")),
 )
 
@@ -213,8 +218,15 @@ class NativeOps:
 
     @functools.cached_property
     def prefill_attention_fast(self) -> bool:
-        """Whether prefill_attention runs the AVX512-BF16 kernel (else plain loops, for tests)."""
+        """Whether prefill_attention runs a vector kernel, AVX512-BF16's or (without AVX-512)
+        AVX2's; else plain loops, for tests."""
         return bool(self._lib.prefill_attention_fast())
+
+    @functools.cached_property
+    def prefill_attention_bf16(self) -> bool:
+        """Whether prefill_attention rounds q, k, the softmax weights and v to bf16 (the AVX512-BF16
+        kernel and the plain loops), or computes in fp32 throughout (the AVX2 kernel)."""
+        return bool(self._lib.prefill_attention_bf16())
 
     @functools.cached_property
     def decode_attention_int8_fast(self) -> bool:
@@ -226,8 +238,9 @@ class NativeOps:
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk's queries q [n, H, D] over keys and values [L, KVH, D] (the
         cached context, then the chunk's own: query i sees keys up to L - n + i), with q, k, the
-        softmax weights and v rounded to bf16 and fp32 sums (engine/csrc/prefill_attention.c). All
-        fp32 and contiguous. Raises ValueError for a head dim other than 32, 64 or 128, MemoryError
+        softmax weights and v rounded to bf16 and fp32 sums, or in fp32 throughout where
+        `prefill_attention_bf16` is False (engine/csrc/prefill_attention.c). All fp32 and
+        contiguous. Raises ValueError for a head dim other than 32, 64 or 128, MemoryError
         without scratch."""
         (n, heads, d), (length, kv_heads, _) = q.shape, k.shape
         out = q.new_empty(n, heads, d)

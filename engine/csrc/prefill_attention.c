@@ -19,9 +19,11 @@
  * blocks then skip the reduction and the rescale); scores in log2 units (q is scaled by
  * scale * log2(e)) and exp2.
  *
- * Without AVX512-BF16 the plain loops compute the same roundings one score at a time (the
- * sums in another order: not the same bits), so tests run everywhere; the engine calls this
- * only where `prefill_attention_fast()` says the vector kernel is built.
+ * On a CPU with AVX2 and FMA but no AVX-512, prefill_attention_avx2.h does the same work in
+ * fp32 (no bf16 rounding). With neither, the plain loops compute the bf16 kernel's roundings one
+ * score at a time (the sums in another order: not the same bits), so tests run everywhere; the
+ * engine calls this only where `prefill_attention_fast()` says a vector kernel is built, and
+ * `prefill_attention_bf16()` says which roundings the build makes.
  */
 #include "common.h"
 #ifdef _OPENMP
@@ -30,6 +32,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h> /* with AVX-512 but no BF16, torch's fp32 flash kernel runs 512 bits wide */
+#define HAVE_F32X8 1
 #endif
 
 #define KEYS 32 /* keys a block */
@@ -47,12 +52,19 @@ static inline float bf16_round(float x) {
 }
 
 int prefill_attention_fast(void) {
-#ifdef HAVE_BF16
+#if defined(HAVE_BF16) || defined(HAVE_F32X8)
     return 1;
 #else
     return 0;
 #endif
 }
+
+#ifdef HAVE_F32X8
+#include "prefill_attention_avx2.h"
+int prefill_attention_bf16(void) { return 0; } /* fp32 throughout */
+#else
+int prefill_attention_bf16(void) { return 1; } /* q, k, the softmax weights and v rounded to bf16 */
+#endif
 
 #ifdef HAVE_BF16
 /* 2^x for x <= 0: 2^round(x) * p(x - round(x)), |rel. error| < 2e-7; below -126, about 0. */
@@ -165,7 +177,7 @@ static inline __attribute__((always_inline)) void rows_block(const uint32_t *con
 }
 #endif
 
-#ifndef HAVE_BF16
+#if !defined(HAVE_BF16) && !defined(HAVE_F32X8)
 /* The plain loops: one query row, scores kept whole in `scores` [L]. */
 static void plain_row(const float *q, const float *k, const float *v, int64_t lim, int64_t kv_stride, int64_t d,
                       float mul, float *scores, float *out) {
@@ -263,6 +275,8 @@ int prefill_attention(const float *q, int64_t n, const float *k, const float *v,
     free(vp);
     free(qp);
     return 0;
+#elif defined(HAVE_F32X8)
+    return prefill_attention_avx2(q, n, k, v, L, heads, kv_heads, d, mul, team, out);
 #else
     float *scores = malloc(team * L * sizeof(float));
     if (!scores)

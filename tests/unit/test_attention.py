@@ -11,12 +11,14 @@ from engine.attention import AttentionMetadata, PrefillChunk, paged_attention
 H, KVH, D, BS = 6, 2, 16, 4
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
-    """Causal attention of q (the last len(q) positions) over all of k, v, with a dense mask."""
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Causal attention of q (the last len(q) positions) over all of k, v, with a dense mask, in `dtype`."""
     total = k.shape[0]
     mask = torch.arange(total).unsqueeze(0) <= torch.arange(context_len, total).unsqueeze(1)
-    kr, vr = (x.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(0, 1) for x in (k, v))
-    o = F.scaled_dot_product_attention(q.float().transpose(0, 1), kr, vr, attn_mask=mask)
+    kr, vr = (x.to(dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(0, 1) for x in (k, v))
+    o = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1), kr, vr, attn_mask=mask)
     return o.transpose(0, 1)
 
 

@@ -1,6 +1,7 @@
-"""engine/csrc/prefill_attention.c: a prefill chunk's causal attention with bf16 dot products,
-against a torch emulation of its roundings, against exact attention, through the paged path,
-and in the plain-loop build the engine does not use (so it runs on any CPU)."""
+"""engine/csrc/prefill_attention.c: a prefill chunk's causal attention with bf16 dot products
+(AVX512-BF16) against a torch emulation of its roundings and against exact attention; its fp32
+AVX2 kernel (CPUs without AVX-512) against exact attention; through the paged path; and the
+AVX2 and plain-loop builds where the machine runs another (so each runs on any CPU it can)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from engine import native
 from engine.attention import AttentionMetadata, PrefillChunk, paged_attention
+from engine.linear import cpu_flags
 from engine.model import LlamaModel
 from engine.weights import random_weights
 from tests.unit.conftest import HAS_CC
@@ -53,6 +55,20 @@ def emulated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: int | None
     return (acc / total).transpose(0, 1)
 
 
+def check(ops: native.NativeOps, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """bf16 roundings: within 1e-4 of their emulation (only the order of the fp32 sums and
+    exp2's last bits differ) and bf16's 8 bits of mantissa from exact attention (unit-normal
+    inputs). fp32 throughout: float64 attention within fp32's own error, as torch's fp32 kernel
+    (<= 1e-6 on unit-normal inputs; 1.5e-5, as torch's, where scores grow past 100)."""
+    if ops.prefill_attention_bf16:
+        keys = KEYS if ops.prefill_attention_fast else None
+        torch.testing.assert_close(out, emulated(q, k, v, keys), rtol=0, atol=1e-4)
+        torch.testing.assert_close(out, reference(q, k, v, k.shape[0] - q.shape[0]), rtol=0, atol=5e-2)
+    else:
+        exact = reference(q, k, v, k.shape[0] - q.shape[0], torch.float64).float()
+        torch.testing.assert_close(out, exact, rtol=0, atol=5e-5)
+
+
 def inputs(n: int, length: int, heads: int, kv_heads: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, heads, d, generator=g), *(torch.randn(length, kv_heads, d, generator=g) for _ in range(2))
@@ -74,11 +90,7 @@ def test_equals_its_roundings_emulated_and_exact_attention_closely(
     ops: native.NativeOps, n: int, length: int, heads: int, kv_heads: int, d: int
 ) -> None:
     q, k, v = inputs(n, length, heads, kv_heads, d, seed=n * 1000 + length)
-    out = ops.prefill_attention(q, k, v)
-    # Only the order of the fp32 sums and exp2's last bits differ from the emulation.
-    torch.testing.assert_close(out, emulated(q, k, v, KEYS if ops.prefill_attention_fast else None), rtol=0, atol=1e-4)
-    # bf16's 8 bits of mantissa, against the exact fp32 attention (unit-normal inputs).
-    torch.testing.assert_close(out, reference(q, k, v, k.shape[0] - q.shape[0]), rtol=0, atol=5e-2)
+    check(ops, ops.prefill_attention(q, k, v), q, k, v)
 
 
 def test_scores_that_keep_rising_move_the_max_many_times(ops: native.NativeOps) -> None:
@@ -86,9 +98,7 @@ def test_scores_that_keep_rising_move_the_max_many_times(ops: native.NativeOps) 
     headroom again and again, so the rescaling runs, not only the first block's max."""
     q, k, v = inputs(40, 300, 6, 2, 64, seed=11)
     q, k = q.abs() + 0.5, k.abs() * torch.linspace(0.05, 4.0, 300)[:, None, None]
-    out = ops.prefill_attention(q, k, v)
-    torch.testing.assert_close(out, emulated(q, k, v, KEYS if ops.prefill_attention_fast else None), rtol=0, atol=1e-4)
-    torch.testing.assert_close(out, reference(q, k, v, k.shape[0] - q.shape[0]), rtol=0, atol=5e-2)
+    check(ops, ops.prefill_attention(q, k, v), q, k, v)
 
 
 def test_the_same_bits_on_any_number_of_threads(ops: native.NativeOps) -> None:
@@ -127,8 +137,7 @@ def test_the_paged_path_through_it_equals_the_masked_reference(ops: native.Nativ
     k_cache[slots], v_cache[slots] = k, v
     meta = AttentionMetadata(slots[context_len:], 0, None, None, (PrefillChunk(0, n, context_len, table),))
     out = paged_attention(q, k[context_len:], v[context_len:], k_cache, v_cache, meta, bs, None, ops.prefill_attention)
-    torch.testing.assert_close(out, emulated(q, k, v, KEYS if ops.prefill_attention_fast else None), rtol=0, atol=1e-4)
-    torch.testing.assert_close(out, reference(q, k, v, context_len), rtol=0, atol=5e-2)
+    check(ops, out, q, k, v)
 
 
 def test_an_int8_model_takes_it_where_the_cpu_runs_it_fast(ops: native.NativeOps) -> None:
@@ -140,10 +149,40 @@ def test_an_int8_model_takes_it_where_the_cpu_runs_it_fast(ops: native.NativeOps
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
-def test_without_avx512_the_plain_loops_compute_the_same_roundings(tmp_path: Path) -> None:
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="this CPU has no AVX2 and FMA")
+def test_without_avx512_the_avx2_kernel_computes_exact_attention_in_fp32(tmp_path: Path) -> None:
+    """The engine's kernel on CPUs with AVX2 but no AVX-512, built so on any CPU that runs it."""
     path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f"))
+    avx2 = native.NativeOps(ctypes.CDLL(str(path)))
+    assert avx2.prefill_attention_fast and not avx2.prefill_attention_bf16
+    # past the shapes above: tiles of 8 sub-tiles, 16 q heads over 2 (scratch caps the tile),
+    # a chunk after long context, fewer rows than a sub-tile
+    for n, length, heads, kv_heads, d in [*SHAPES, (300, 300, 9, 3, 64), (70, 600, 16, 2, 128), (3, 400, 9, 3, 32)]:
+        q, k, v = inputs(n, length, heads, kv_heads, d, seed=5)
+        check(avx2, avx2.prefill_attention(q, k, v), q, k, v)
+    # a row's bits do not depend on the chunk it came in: the last 190 of 300 prompt rows after
+    # 110 of context (a prefix hit, a later chunk) equal the same rows of the whole prompt
+    q, k, v = inputs(300, 300, 9, 3, 64, seed=6)
+    assert torch.equal(avx2.prefill_attention(q[110:].contiguous(), k, v), avx2.prefill_attention(q, k, v)[110:])
+    q, k, v = inputs(45, 300, 9, 3, 64, seed=8)
+    q, k = q.abs() + 0.5, k.abs() * torch.linspace(0.05, 4.0, 300)[:, None, None]  # the max moves many times
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(avx2.prefill_attention(q, k, v))
+    finally:
+        torch.set_num_threads(before)
+    check(avx2, outs[0], q, k, v)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_without_avx512_or_avx2_the_plain_loops_compute_the_same_roundings(tmp_path: Path) -> None:
+    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f", "-mno-avx2"))
     plain = native.NativeOps(ctypes.CDLL(str(path)))
-    assert not plain.prefill_attention_fast
+    assert not plain.prefill_attention_fast and plain.prefill_attention_bf16
     for n, length, heads, kv_heads, d in SHAPES:
         q, k, v = inputs(n, length, heads, kv_heads, d, seed=3)
         torch.testing.assert_close(plain.prefill_attention(q, k, v), emulated(q, k, v), rtol=0, atol=1e-4)
