@@ -12,7 +12,7 @@
  * A row's sums run in the same order whatever its tile, its chunk, the thread or their count (a
  * masked key's weight is exactly 0), so its bits depend on nothing else in the call. Against
  * torch's fp32 flash kernel on a Zen 1 EPYC (SmolLM2's 9/3 heads, 2 threads): 2-3x at 512
- * tokens, 1.3-1.8x at 2K-4K, 1.1-1.2x at 8K (README, "On a CPU without AVX-512"). */
+ * tokens, 1.2-1.5x at 2K-4K, 1.1-1.2x at 8K (README, "On a CPU without AVX-512"). */
 
 #define PB 4 /* query positions a sub-tile: 4 rows x 2 vectors of scores */
 #define T8 16 /* keys a block */
