@@ -276,6 +276,7 @@ int prefill_attention(const float *q, int64_t n, const float *k, const float *v,
     free(qp);
     return 0;
 #elif defined(HAVE_F32X8)
+    (void)group, (void)ctx; /* it takes them per tile */
     return prefill_attention_avx2(q, n, k, v, L, heads, kv_heads, d, mul, team, out);
 #else
     float *scores = malloc(team * L * sizeof(float));
