@@ -45,10 +45,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 _C_FILES = ("decode.c", "attention.c", "linear_i8.c", "linear_q4.c", "prefill_attention.c", "decode_layers.c")
 SOURCES = tuple(CSRC / name for name in _C_FILES)
-HEADERS = tuple(
-    CSRC / h
-    for h in ("common.h", "attention_int8.h", "attention_avx2.h", "attention_avx512.h", "prefill_attention_avx2.h")
-)
+_H_FILES = ("common.h", "attention_int8.h", "attention_avx2.h", "attention_avx512.h", "prefill_attention_avx2.h")
+HEADERS = tuple(CSRC / name for name in _H_FILES)
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
@@ -218,14 +216,12 @@ class NativeOps:
 
     @functools.cached_property
     def prefill_attention_fast(self) -> bool:
-        """Whether prefill_attention runs a vector kernel, AVX512-BF16's or (without AVX-512)
-        AVX2's; else plain loops, for tests."""
+        """Whether prefill_attention runs a vector kernel (AVX512-BF16's, or AVX2's without AVX-512)."""
         return bool(self._lib.prefill_attention_fast())
 
     @functools.cached_property
     def prefill_attention_bf16(self) -> bool:
-        """Whether prefill_attention rounds q, k, the softmax weights and v to bf16 (the AVX512-BF16
-        kernel and the plain loops), or computes in fp32 throughout (the AVX2 kernel)."""
+        """Whether prefill_attention rounds to bf16 (AVX512-BF16's kernel, the plain loops), not fp32 (AVX2's)."""
         return bool(self._lib.prefill_attention_bf16())
 
     @functools.cached_property
