@@ -143,8 +143,8 @@ class LlamaModel:
         # int8 projections of every step through the per-row kernel, where it is fast (see above)
         self.per_row = self.native if self.native is not None and int8 and self.native.linear_i8_fast else None
         for proj in self.projections():  # fbgemm's copies that steps will run: packed now, not in a request
-            if proj.int8 and (self.per_row is None or proj.rows is None):
-                proj.prepare_fbgemm()
+            if self.per_row is None or proj.rows is None:
+                proj.prepare_fbgemm()  # an int8 projection's; the others have none
         # a decode step's layers as one C call, where every projection has its per-row weight
         self.decode_stack = DecodeStack.of(self) if self.native is not None else None
         # Prefill attention in C (engine/csrc/prefill_attention.c) where the weights are int8 or
