@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const uint8_t *xq, i
             for (int j = 0; j < 2 * nb; j++) {
                 __m256i p = _mm256_maddubs_epi16(ua, _mm256_sign_epi8(wv[j], a));
                 acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(p, ones));
-                __asm__("" : "+x"(acc[r][j])); /* else gcc keeps 2 of the 8 on the stack: 1.04-1.09x */
+                __asm__("" : "+v"(acc[r][j])); /* else gcc keeps 2 of the 8 on the stack: 1.04-1.09x */
             }
         }
     }
