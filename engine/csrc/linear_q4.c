@@ -51,8 +51,8 @@ static void quantize_rows_q4(const float *x, int64_t m, int64_t k, int8_t *xq, f
  * may) into a tree over all 32 products of a 2-row tile, which spill to the stack: ~20 stores a
  * block, each two cycles on Zen 1. Pinned, nothing spills; same sums, so the same bits. The
  * kernel alone, SmolLM2's gate projection on Zen 1 (GMAC/s, alternated): one thread, 1 row
- * 20.3 -> 22.4, 2-512 rows ~21.5 -> ~25.3; two threads, 1 row ~39 either way, 2-512 rows
- * 37-42 -> 44-51. */
+ * 20-21 -> 22.4, 2-512 rows 19-22 -> 25-26; two threads, 1 row 33-40 either way, 2-512 rows
+ * 36-42 -> 44-51. */
 #define PIN2(a, b) __asm__("" : "+v"(a), "+v"(b))
 
 static inline __m256i bcast4(const int8_t *p) {
