@@ -45,7 +45,14 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 _C_FILES = ("decode.c", "attention.c", "linear_i8.c", "linear_q4.c", "prefill_attention.c", "decode_layers.c")
 SOURCES = tuple(CSRC / name for name in _C_FILES)
-_H_FILES = ("common.h", "attention_int8.h", "attention_avx2.h", "attention_avx512.h", "prefill_attention_avx2.h")
+_H_FILES = (
+    "common.h",
+    "attention_int8.h",
+    "attention_int8_avx2.h",
+    "attention_avx2.h",
+    "attention_avx512.h",
+    "prefill_attention_avx2.h",
+)
 HEADERS = tuple(CSRC / name for name in _H_FILES)
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
@@ -226,9 +233,9 @@ class NativeOps:
 
     @functools.cached_property
     def decode_attention_int8_fast(self) -> bool:
-        """Whether decode_attention over int8 caches (head_dim a multiple of 64) runs the AVX512-VNNI
-        integer kernel (engine/csrc/attention_int8.h: int16 queries and softmax weights), else
-        floats."""
+        """Whether decode_attention over int8 caches (head_dim a multiple of 64) runs the integer
+        kernel (int16 queries and softmax weights: engine/csrc/attention_int8.h with AVX512-VNNI,
+        attention_int8_avx2.h with AVX2 alone, the same numbers), else floats."""
         return bool(self._lib.decode_attention_int8_fast())
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
  * ones (engine/kv_codec.py: per token and kv head, head_dim codes then the fp32 scale), whose
  * codes are scaled as they are read: a quarter of the bytes, which is what bounds long contexts.
  * With AVX-512 the two inner loops run as attention_avx512.h's, with AVX2 alone as
- * attention_avx2.h's; where the CPU has AVX512-VNNI, int8 caches are summed in integers instead
- * (attention_int8.h).
+ * attention_avx2.h's; int8 caches are summed in integers instead where the CPU has AVX512-VNNI
+ * (attention_int8.h) or AVX2 alone (attention_int8_avx2.h, the same numbers).
  */
 #include "common.h"
 #ifdef __AVX512F__
@@ -21,6 +21,7 @@
 #include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "attention_int8.h"
+#include "attention_int8_avx2.h"
 
 /* CALL(NH) with NH the constant 1-4 that `n` heads (>= 1) ask for, 4 where more: the kernels
  * take the heads of a GQA group 4 at a time, each variant with its sums in registers. */
@@ -96,7 +97,10 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         }
     } else
 #elif defined(AVX2_ATTENTION)
-    if (head_dim % 8 == 0)
+    if (int8_path)
+        avx2_int8_scores(q, (const int8_t *)k_cache, (const int8_t *)v_cache, slot, n, heads, kv_heads, head_dim,
+                         scale, scores);
+    else if (head_dim % 8 == 0)
         avx2_scores(q, k_cache, coded, slot, n, heads, kv_heads, head_dim, scale, scores);
     else
 #endif
@@ -107,10 +111,14 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                     scores[h * SEGMENT + j] = dot(q + h * head_dim, k, (int)head_dim) * ks * scale;
             }
     for (int64_t h = 0; h < heads; h++) {
+#ifdef AVX2_ATTENTION
+        avx2_softmax_row(scores + h * SEGMENT, n, m + h, l + h);
+#else
         float *s = scores + h * SEGMENT, mx = max_of(s, n);
         for (int64_t j = 0; j < n; j++) s[j] = exp_approx(s[j] - mx);
         m[h] = mx;
         l[h] = sum(s, n);
+#endif
     }
 #ifdef __AVX512F__
     if (head_dim % 64 == 0) {
@@ -148,6 +156,10 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         return;
     }
 #elif defined(AVX2_ATTENTION)
+    if (int8_path) {
+        avx2_int8_values(scores, (const int8_t *)v_cache, slot, n, heads, kv_heads, head_dim, o);
+        return;
+    }
     if (head_dim % 16 == 0) {
         avx2_values(scores, v_cache, coded, slot, n, heads, kv_heads, head_dim, o);
         return;

@@ -4,7 +4,9 @@
  * sums reduced together (each block of keys for every head of its GQA group while it is in L1),
  * and the value sums run as register tiles of up to 64 dims for up to 4 heads of a group, each
  * value vector loaded once for all of them. Both prefetch the rows PF keys ahead. fp32 caches, or
- * int8 rows (head_dim codes, then their fp32 scale) converted as they are read. */
+ * int8 rows (head_dim codes, then their fp32 scale) converted as they are read where
+ * attention_int8_avx2.h's integer sums do not take them (head_dim not a multiple of 64). The
+ * softmax between them runs here too, 8 lanes wide. */
 #ifndef TANDEM_ATTENTION_AVX2_H
 #define TANDEM_ATTENTION_AVX2_H
 /* SEGMENT: the most keys of one work item (attention.c) */
@@ -66,6 +68,50 @@ static void avx2_scores(const float *q, const void *k_cache, int coded, const in
             }
         }
     }
+}
+
+/* common.h's exp_approx on 8 lanes, op for op (the same bits): gcc's vectorization of it for
+ * Zen 1 (znver1 prefers 128-bit vectors) had made the softmax a fifth of a segment's time. */
+static inline __m256 exp_approx8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x)); /* NaN stays NaN */
+    __m256 n = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    n = _mm256_floor_ps(_mm256_add_ps(n, _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    static const float c[5] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                               5.0000001201e-1f};
+    for (int i = 0; i < 5; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c[i]));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* s[j] = exp(s[j] - max) for a row of n scores; *mx = the max, *total = the sum, both as
+ * common.h's max_of and sum compute them (the sum in 16 lanes, then halves, then the tail). */
+static inline void avx2_softmax_row(float *s, int64_t n, float *mx, float *total) {
+    float top = max_of(s, n);
+    const __m256 m = _mm256_set1_ps(top);
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m256 a = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        __m256 b = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), m));
+        _mm256_storeu_ps(s + j, a);
+        _mm256_storeu_ps(s + j + 8, b);
+        lo = _mm256_add_ps(lo, a);
+        hi = _mm256_add_ps(hi, b);
+    }
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    float sum_ = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    for (; j < n; j++) {
+        s[j] = exp_approx(s[j] - top);
+        sum_ += s[j];
+    }
+    *mx = top;
+    *total = sum_;
 }
 
 /* o[t] = sum_j p[t][j] v_j over 8 x w dims for nh (1-4) heads: p rows SEGMENT apart, v_j at

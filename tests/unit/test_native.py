@@ -136,7 +136,8 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     tmp_path: Path, without: tuple[str, ...]
 ) -> None:
     """The C code as a CPU without AVX-512 (or VNNI) runs it, with AVX2 or without: the int8
-    product the same bits, attention the same to rounding, over fp32 caches and int8 ones."""
+    product the same bits, attention the same to rounding, over fp32 caches and int8 ones (with
+    AVX2 the int8 ones summed in integers)."""
     if not HAS_CC:
         pytest.skip("no C compiler")
     path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
@@ -157,8 +158,11 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     q = qkv[:, : 9 * 64].reshape(2, 9, 64)
     int8 = KVCodec.of("int8", torch.float32)
     k8, v8 = int8.encode(k_cache), int8.encode(v_cache)
-    # fp32 caches to 2e-5, as before; int8 ones read as their decoded values to 6e-5 (as
-    # test_native_kv_int8.py holds them without VNNI)
+    # fp32 caches to 2e-5, as before; int8 ones read as their decoded values to 6e-5: as floats by
+    # the plain loops, summed in integers with AVX2 (the query and the softmax weights rounded to
+    # int16, which test_native_kv_int8.py holds to that rounding at 1e-5)
+    avx2 = "-mno-avx2" not in without and {"avx2", "fma"} <= cpu_flags()
+    assert plain.decode_attention_int8_fast == avx2
     for k, v, keys, values, atol in ((k_cache, v_cache, k_cache, v_cache, 2e-5),
                                      (k8, v8, int8.decode(k8), int8.decode(v8), 6e-5)):  # fmt: skip
         got = plain.decode_attention(qkv, 9, k, v, tables, torch.tensor(lens), 16)
