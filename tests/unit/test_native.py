@@ -90,7 +90,10 @@ def test_decode_attention_reads_the_paged_cache(
     torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=2e-5, rtol=1e-4)
 
 
-def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])  # int8: the integer kernels' per-segment roundings too
+def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(
+    ops: native.NativeOps, kv_dtype: str
+) -> None:
     """A row's keys split into segments by its own length alone (two from 64 keys on, so one row
     keeps two threads busy), so the step around it moves no bit: speculation's exactness rests on
     it (its draft rows verify in one step what later steps compute one by one)."""
@@ -98,6 +101,9 @@ def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(
     bs, num_blocks, (nh, nkv, d) = 16, 160, (9, 3, 64)
     k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
     v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
+    if kv_dtype == "int8":
+        codec = KVCodec.of("int8", torch.float32)
+        k_cache, v_cache = codec.encode(k_cache), codec.encode(v_cache)
     lens = [100, 700, 40, 300, 65]
     qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)
     tables = torch.tensor(random_tables(gen, lens, num_blocks, bs))
