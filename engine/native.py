@@ -45,15 +45,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 _C_FILES = ("decode.c", "attention.c", "linear_i8.c", "linear_q4.c", "prefill_attention.c", "decode_layers.c")
 SOURCES = tuple(CSRC / name for name in _C_FILES)
-_H_FILES = (
-    "common.h",
-    "attention_int8.h",
-    "attention_int8_avx2.h",
-    "attention_avx2.h",
-    "attention_avx512.h",
-    "prefill_attention_avx2.h",
-)
-HEADERS = tuple(CSRC / name for name in _H_FILES)
+HEADERS = tuple(sorted(CSRC.glob("*.h")))  # all of them in the build's key: no list to forget one in
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
