@@ -2,10 +2,10 @@
  * numbers (int16 queries and softmax weights, each by its own largest magnitude; exact int32
  * sums with the int8 codes), so the same results, summed by VPMADDWD instead of VPDPWSSD.
  *
- * Measured on a Zen 1 EPYC (AVX2, FMA): converting each code to a float took two ops a 8 values
- * on the pipes the multiply-adds share, and bound a key's dot at half the FMA rate: 10.6 GMAC/s a
- * thread with the codes in L1 (17.7 over an fp32 cache), where int16 pairs through VPMADDWD run at
- * 21.8. The scores also read a token's record (its kv heads' rows) once, 4 tokens at a time, and
+ * Measured on a Zen 1 EPYC (AVX2, FMA): converting each code to a float took two ops per 8 values
+ * on the pipes the multiply-adds share, and held a dot tile (4 keys x 3 heads, one thread, codes in
+ * L1) to 10.6 GMAC/s (17.7 over an fp32 cache), where int16 pairs through VPMADDWD run at 21.8.
+ * The scores also read a token's record (its kv heads' rows) once, 4 tokens at a time, and
  * prefetch the same tokens' values into L2 for the value sums. */
 #ifndef TANDEM_ATTENTION_INT8_AVX2_H
 #define TANDEM_ATTENTION_INT8_AVX2_H
