@@ -9,11 +9,11 @@
  * prefetch the same tokens' values into L2 for the value sums. */
 #ifndef TANDEM_ATTENTION_INT8_AVX2_H
 #define TANDEM_ATTENTION_INT8_AVX2_H
-/* SEGMENT: the most keys of one work item (attention.c) */
+/* SEGMENT: the most keys of one work item (attention.c); PF: how far ahead loops prefetch
+ * (attention_avx2.h, included before this under the same condition) */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define INT8_ATTENTION 1
 #include <immintrin.h>
-#define PF_TOKENS 8 /* tokens ahead whose records the scores prefetch */
 
 /* The cache lines of the `bytes` bytes at p, into L1 (hint T0) or L2 (T1). */
 static inline void prefetch_bytes(const int8_t *p, int64_t bytes, int hint_l2) {
@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void idots4(const int16_t *q, int n
 
 /* scores[h * SEGMENT + j] = q_h . k_j * (the key's scale * scale) for every query head and the n
  * (<= SEGMENT) int8 keys at `slot`, 4 tokens at a time, every kv head of them in turn, while the
- * records PF_TOKENS on are prefetched: keys into L1, values (v_cache) into L2 for
+ * records PF tokens on are prefetched: keys into L1, values (v_cache) into L2 for
  * avx2_int8_values. head_dim a multiple of 16, at most 512. */
 static void avx2_int8_scores(const float *q, const int8_t *k_cache, const int8_t *v_cache, const int64_t *slot,
                              int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, float *scores) {
@@ -89,7 +89,7 @@ static void avx2_int8_scores(const float *q, const int8_t *k_cache, const int8_t
     for (int64_t h = 0; h < heads; h++) qs[h] = quantize16(q + h * head_dim, head_dim, qi + h * head_dim);
     for (int64_t j = 0; j < n + 4; j++) off[j] = slot[j < n ? j : 0] * record; /* pad: key 0 */
     for (int64_t j = 0; j < n; j += 4) {
-        for (int64_t i = j + PF_TOKENS; i < j + PF_TOKENS + 4 && i < n; i++) {
+        for (int64_t i = j + PF; i < j + PF + 4 && i < n; i++) {
             prefetch_bytes(k_cache + off[i], record, 0);
             prefetch_bytes(v_cache + off[i], record, 1);
         }
