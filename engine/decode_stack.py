@@ -59,6 +59,6 @@ class DecodeStack:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables is not None and lens is not None and cache.kv.is_contiguous()
         native.decode_layers(
-            h, self._weights, self._q4, cache.kv, cache.codec.kind == "int8", cfg, positions, self._model.cos,
+            h, self._weights, self._q4, cache.kv, cfg, positions, self._model.cos,
             self._model.sin, meta.slot_mapping, tables, lens, cache.block_size,
         )  # fmt: skip

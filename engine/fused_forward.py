@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.linear import Projection
-from engine.native import NativeOps
+from engine.native import KV_KIND, NativeOps
 from engine.paged_cache import PagedKVCache
 
 if TYPE_CHECKING:
@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 
 
 def fits(model: LlamaModel, positions: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata) -> bool:
-    """Whether this step is one the C ops take as it is: an fp32 cache stored as is or an int8
-    one, int64 indices laid out as the runner builds them, every position in the RoPE table
-    (the C side checks no bounds; anything else runs the torch ops, which do)."""
-    if not ((cache.codec.passthrough and cache.dtype == model.dtype) or cache.codec.kind == "int8"):
+    """Whether this step is one the C ops take as it is: an fp32 model's cache in fp32, bf16 or
+    int8 (engine/native.py's KV_KIND), int64 indices laid out as the runner builds them, every
+    position in the RoPE table (the C side checks no bounds; anything else runs the torch ops,
+    which do)."""
+    if model.dtype != torch.float32 or cache.dtype not in KV_KIND:
         return False
     if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
         return False

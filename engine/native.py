@@ -8,7 +8,8 @@ On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torc
 read it. The C functions fuse RMSNorm with its residual add, RoPE with the KV-cache write, SiLU
 with its multiply, and attention reads the paged cache in place, split into segments of keys
 over torch's own OpenMP threads (the library links the libgomp torch loaded, so the engine
-loop's thread keeps one team: engine/torch_threads.py); an int8 cache is read as its codes.
+loop's thread keeps one team: engine/torch_threads.py); an int8 cache is read as its codes, a
+bf16 one widened as it is read.
 A layer is four matmuls and four C calls. Measured (int8 SmolLM2, 2 cores, alternated in one
 process): a decode step of 1 row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K
 context 57.8 -> 31.6 ms. With int8 weights the matmuls are linear_i8's: activations quantized
@@ -50,6 +51,8 @@ HEADERS = tuple(sorted(CSRC.glob("*.h")))  # all of them in the build's key: no 
 # multiply-adds, so RoPE rounds as torch's separate ops do
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
 MAX_HEAD_DIM = 512  # rope_write's scratch row
+# the caches the C side reads and writes, by their tensor's dtype: engine/csrc/common.h's KV_ kinds
+KV_KIND = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -118,11 +121,12 @@ class NativeOps:
         v_cache: torch.Tensor,
     ) -> None:
         """RoPE on qkv's q and k heads, in place, then its k and v heads into the caches at slots: an
-        fp32 cache as they are, an int8 one (engine/kv_codec.py's rows) coded as its codec would."""
+        fp32 cache as they are, an int8 one (engine/kv_codec.py's rows) coded as its codec would, a
+        bf16 one rounded as torch rounds."""
         head_dim = cos.shape[-1]
         self._lib.rope_write(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim,
                              positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
-                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.int8,
+                             k_cache.data_ptr(), v_cache.data_ptr(), KV_KIND[k_cache.dtype],
                              torch.get_num_threads())  # fmt: skip
 
     def decode_attention(
@@ -135,17 +139,17 @@ class NativeOps:
         lens: torch.Tensor,
         block_size: int,
     ) -> torch.Tensor:
-        """Each row's attention over its own context, read from the cache (fp32, or int8 rows) in
-        place, its q heads read from qkv: [rows, heads * D], on torch's threads. Raises MemoryError
-        without scratch."""
+        """Each row's attention over its own context, read from the cache (fp32, bf16, or int8
+        rows) in place, its q heads read from qkv: [rows, heads * D], on torch's threads. Raises
+        MemoryError without scratch."""
         coded = k_cache.dtype == torch.int8
         kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2] - (SCALE_BYTES if coded else 0)
         rows = qkv.shape[0]
         out = qkv.new_empty(rows, heads * head_dim)
         status = self._lib.decode_attention(qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                            coded, tables.data_ptr(), tables.stride(0), lens.data_ptr(), rows, heads,
-                                            kv_heads, head_dim, block_size, head_dim**-0.5, torch.get_num_threads(),
-                                            out.data_ptr())  # fmt: skip
+                                            KV_KIND[k_cache.dtype], tables.data_ptr(), tables.stride(0),
+                                            lens.data_ptr(), rows, heads, kv_heads, head_dim, block_size,
+                                            head_dim**-0.5, torch.get_num_threads(), out.data_ptr())  # fmt: skip
         if status != 0:
             raise MemoryError(f"decode attention's scratch for {rows} rows of {int(lens.max())} tokens")
         return out
@@ -179,7 +183,6 @@ class NativeOps:
         weights: torch.Tensor,
         q4: bool,
         kv: torch.Tensor,
-        kv_int8: bool,
         cfg: ModelConfig,
         positions: torch.Tensor,
         cos: torch.Tensor,
@@ -191,12 +194,12 @@ class NativeOps:
     ) -> None:
         """h through every layer as a step of decode rows (engine/csrc/decode_layers.c), in place:
         weights the table engine/decode_stack.py builds (q4: of 4-bit weights), kv the whole cache
-        [layers, 2, ...].
-        Raises MemoryError without scratch."""
+        [layers, 2, ...] (fp32, bf16 or int8 rows: its dtype says which). Raises MemoryError
+        without scratch."""
         rows, layers, d = h.shape[0], weights.shape[0], cfg.head_dim
         status = self._lib.decode_layers(h.data_ptr(), rows, layers, weights.data_ptr(), q4, kv.data_ptr(),
-                                         kv.stride(1) * kv.element_size(), kv_int8, cfg.hidden_size, cfg.num_heads,
-                                         cfg.num_kv_heads, d, cfg.intermediate_size, cfg.rms_norm_eps,
+                                         kv.stride(1) * kv.element_size(), KV_KIND[kv.dtype], cfg.hidden_size,
+                                         cfg.num_heads, cfg.num_kv_heads, d, cfg.intermediate_size, cfg.rms_norm_eps,
                                          positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
                                          tables.data_ptr(), tables.stride(0), lens.data_ptr(), block_size, d**-0.5,
                                          torch.get_num_threads())  # fmt: skip

@@ -1,7 +1,8 @@
 /* Decode attention: each decode row's query heads over its own context, read from the paged
- * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, and int8
- * ones (engine/kv_codec.py: per token and kv head, head_dim codes then the fp32 scale), whose
- * codes are scaled as they are read: a quarter of the bytes, which is what bounds long contexts.
+ * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, bf16 ones
+ * (half the bytes, widened as they are read), and int8 ones (engine/kv_codec.py: per token and kv
+ * head, head_dim codes then the fp32 scale), whose codes are scaled as they are read: a quarter
+ * of the bytes. The bytes are what bounds long contexts.
  * With AVX-512 the two inner loops run as attention_avx512.h's, with AVX2 alone as
  * attention_avx2.h's; int8 caches are summed in integers instead where the CPU has AVX512-VNNI
  * (attention_int8.h) or AVX2 alone (attention_int8_avx2.h, the same numbers).
@@ -34,25 +35,26 @@
     }
 #define MAX_HEAD_DIM 512 /* engine/native.py's too */
 
-/* One kv head of one cached token as floats: in place for fp32, decoded into buf for int8 (the
- * codes; *scale their scale, 1 for fp32). */
+/* One kv head of one cached token as floats: in place for fp32, widened into buf for bf16 and
+ * int8 (the codes; *scale their scale, 1 for the others). */
 static inline const float *kv_head(const void *cache, int64_t slot, int64_t g, int64_t kv_heads, int64_t head_dim,
-                                   int coded, float *buf, float *scale) {
-    if (!coded) {
-        *scale = 1.0f;
-        return (const float *)cache + (slot * kv_heads + g) * head_dim;
-    }
-    const int8_t *row = (const int8_t *)cache + (slot * kv_heads + g) * (head_dim + 4);
-    for (int64_t d = 0; d < head_dim; d++) buf[d] = (float)row[d];
-    memcpy(scale, row + head_dim, 4);
+                                   int kind, float *buf, float *scale) {
+    const char *row = (const char *)cache + (slot * kv_heads + g) * kv_row_bytes(kind, head_dim);
+    *scale = 1.0f;
+    if (kind == KV_FP32)
+        return (const float *)row;
+    for (int64_t d = 0; d < head_dim; d++)
+        buf[d] = kind == KV_BF16 ? bf16_to_float(((const uint16_t *)row)[d]) : (float)((const int8_t *)row)[d];
+    if (kind == KV_INT8)
+        memcpy(scale, row + head_dim, 4);
     return buf;
 }
 
 /* Scores, softmax numerator and its running sums of one work item: every query head of one row,
  * over keys [j_begin, j_end), each cached token's keys (all kv heads) read once, in order. Writes
  * the item's max m[h], sum l[h] of exp(s - m) and o[h] = sum of exp(s - m) v, unnormalised.
- * scores: scratch of heads * SEGMENT; caches fp32, or int8 rows where `coded`. */
-static void attend_segment(const float *q, const void *k_cache, const void *v_cache, int coded, const int64_t *table,
+ * scores: scratch of heads * SEGMENT; caches as `kind` (common.h) holds them. */
+static void attend_segment(const float *q, const void *k_cache, const void *v_cache, int kind, const int64_t *table,
                            int64_t j_begin, int64_t j_end, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, float *scores, float *m, float *l, float *o) {
     int64_t n = j_end - j_begin, group = heads / kv_heads;
@@ -63,18 +65,18 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         if (++i == block_size) b++, i = 0;
     }
 #ifdef INT8_ATTENTION
-    int int8_path = coded && head_dim % 64 == 0;
+    int int8_path = kind == KV_INT8 && head_dim % 64 == 0;
 #endif
 #ifdef __AVX512F__
     if (head_dim % 16 == 0) { /* 16 keys at a time, their sums reduced together */
-        int64_t row = coded ? head_dim + 4 : head_dim, off[SEGMENT + 16];
+        int64_t row = kv_row_bytes(kind, head_dim), off[SEGMENT + 16];
         float kscale[SEGMENT + 16];
-        for (int64_t j = 0; j < n + 16; j++) off[j] = slot[j < n ? j : 0] * kv_heads * row; /* pad: key 0 */
+        for (int64_t j = 0; j < n + 16; j++) off[j] = slot[j < n ? j : 0] * kv_heads * row; /* bytes; pad: key 0 */
         for (int64_t g = 0; g < kv_heads; g++) {
-            const char *kg = (const char *)k_cache + g * row * (coded ? 1 : 4);
+            const char *kg = (const char *)k_cache + g * row;
             for (int64_t j = 0; j < n + 16; j++) {
                 kscale[j] = scale;
-                if (coded) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
+                if (kind == KV_INT8) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
             }
 #ifdef INT8_ATTENTION
             if (int8_path) {
@@ -88,8 +90,9 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
 #endif
             for (int64_t h = g * group; h < (g + 1) * group; h++)
                 for (int64_t j = 0; j < n; j += 16) {
-                    __m512 d = coded ? dots16(q + h * head_dim, kg, off + j, 1, head_dim)
-                                     : dots16(q + h * head_dim, kg, off + j, 0, head_dim);
+                    __m512 d = kind == KV_INT8   ? dots16(q + h * head_dim, kg, off + j, KV_INT8, head_dim)
+                               : kind == KV_BF16 ? dots16(q + h * head_dim, kg, off + j, KV_BF16, head_dim)
+                                                 : dots16(q + h * head_dim, kg, off + j, KV_FP32, head_dim);
                     float tmp[16];
                     _mm512_storeu_ps(tmp, _mm512_mul_ps(d, _mm512_loadu_ps(kscale + j)));
                     memcpy(scores + h * SEGMENT + j, tmp, (n - j < 16 ? n - j : 16) * sizeof(float));
@@ -101,12 +104,12 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         avx2_int8_scores(q, (const int8_t *)k_cache, (const int8_t *)v_cache, slot, n, heads, kv_heads, head_dim,
                          scale, scores);
     else if (head_dim % 8 == 0)
-        avx2_scores(q, k_cache, coded, slot, n, heads, kv_heads, head_dim, scale, scores);
+        avx2_scores(q, k_cache, kind, slot, n, heads, kv_heads, head_dim, scale, scores);
     else
 #endif
         for (int64_t j = 0; j < n; j++)
             for (int64_t g = 0; g < kv_heads; g++) {
-                const float *k = kv_head(k_cache, slot[j], g, kv_heads, head_dim, coded, buf, &ks);
+                const float *k = kv_head(k_cache, slot[j], g, kv_heads, head_dim, kind, buf, &ks);
                 for (int64_t h = g * group; h < (g + 1) * group; h++)
                     scores[h * SEGMENT + j] = dot(q + h * head_dim, k, (int)head_dim) * ks * scale;
             }
@@ -122,12 +125,12 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
     }
 #ifdef __AVX512F__
     if (head_dim % 64 == 0) {
-        int64_t off[SEGMENT + 1]; /* each key's slot, in floats (fp32) or bytes (int8); pad: key 0 */
-        int64_t row = coded ? head_dim + 4 : head_dim;
+        int64_t off[SEGMENT + 1]; /* each key's slot, in bytes; pad: key 0 */
+        int64_t row = kv_row_bytes(kind, head_dim);
         for (int64_t j = 0; j <= n; j++) off[j] = slot[j < n ? j : 0] * kv_heads * row;
         for (int64_t g = 0; g < kv_heads; g++) {
             const int8_t *vrow = (const int8_t *)v_cache + g * row + head_dim; /* int8: a value's scale */
-            if (coded)
+            if (kind == KV_INT8)
                 for (int64_t j = 0; j < n; j++) memcpy(vscale + j, vrow + off[j], 4);
 #ifdef INT8_ATTENTION
             if (int8_path) {
@@ -144,11 +147,11 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                     int nh = (g + 1) * group - h < 4 ? (int)((g + 1) * group - h) : 4;
                     const float *sh = scores + h * SEGMENT;
                     float *oh = o + h * head_dim + c;
-                    const void *vg = coded ? (const void *)((const int8_t *)v_cache + g * row + c)
-                                           : (const void *)((const float *)v_cache + g * row + c);
-/* constants for pv_tile's coded and nh, so that each variant keeps its sums in registers */
-#define PV(NH) (coded ? pv_tile(sh, vg, off, vscale, 1, n, NH, oh, head_dim) \
-                      : pv_tile(sh, vg, off, NULL, 0, n, NH, oh, head_dim))
+                    const char *vg = (const char *)v_cache + g * row + c * kv_elem_bytes(kind);
+/* constants for pv_tile's kind and nh, so that each variant keeps its sums in registers */
+#define PV(NH) (kind == KV_INT8   ? pv_tile(sh, vg, off, vscale, KV_INT8, n, NH, oh, head_dim) \
+                : kind == KV_BF16 ? pv_tile(sh, vg, off, NULL, KV_BF16, n, NH, oh, head_dim) \
+                                  : pv_tile(sh, vg, off, NULL, KV_FP32, n, NH, oh, head_dim))
                     BY_HEADS(nh, PV);
 #undef PV
                 }
@@ -161,7 +164,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         return;
     }
     if (head_dim % 16 == 0) {
-        avx2_values(scores, v_cache, coded, slot, n, heads, kv_heads, head_dim, o);
+        avx2_values(scores, v_cache, kind, slot, n, heads, kv_heads, head_dim, o);
         return;
     }
 #endif
@@ -169,7 +172,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
     for (int64_t j = 0; j < n; j++)
         for (int64_t g = 0; g < kv_heads; g++) {
             float vs;
-            const float *v = kv_head(v_cache, slot[j], g, kv_heads, head_dim, coded, buf, &vs);
+            const float *v = kv_head(v_cache, slot[j], g, kv_heads, head_dim, kind, buf, &vs);
             for (int64_t h = g * group; h < (g + 1) * group; h++) {
                 const float p = scores[h * SEGMENT + j] * vs;
                 float *oh = o + h * head_dim;
@@ -204,7 +207,7 @@ static int64_t segment_len(int64_t len) {
  * `threads` OpenMP threads (the caller's team: torch's), then each row's segments are merged by
  * their maxima. q [rows, q_stride], its heads first; out [rows, heads * head_dim]. Returns 0, or
  * -1 with out untouched when its scratch cannot be allocated. */
-int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t kv_int8,
+int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t kv_kind,
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t threads,
                      float *out) {
@@ -232,7 +235,7 @@ int decode_attention(const float *q, int64_t q_stride, const void *k_cache, cons
         int64_t end = begin + seg < lens[r] ? begin + seg : lens[r];
         float *m = partial + it * per_item, *l = m + heads, *o = l + heads;
         if (begin < end)
-            attend_segment(q + r * q_stride, k_cache, v_cache, (int)kv_int8, tables + r * table_stride, begin, end,
+            attend_segment(q + r * q_stride, k_cache, v_cache, (int)kv_kind, tables + r * table_stride, begin, end,
                            heads, kv_heads, head_dim, block_size, scale, scores, m, l, o);
     }
     for (int64_t r = 0; r < rows; r++) {

@@ -31,6 +31,24 @@ TANDEM_DP(dpbf16, "vdpbf16ps", __m512, __m512bh) /* bf16 pairs into fp32 */
 
 #define LANES 16
 
+/* How a paged cache holds keys and values (engine/native.py's KV_KIND): fp32 as they are; int8
+ * rows of head_dim codes, then their fp32 scale (engine/kv_codec.py); or bf16, the top half of
+ * each fp32 (rounded to nearest even where written). */
+enum { KV_FP32, KV_INT8, KV_BF16 };
+
+/* Bytes of one kv head of one token in a cache of `kind`; of one element where not int8. */
+static inline int64_t kv_row_bytes(int64_t kind, int64_t head_dim) {
+    return kind == KV_INT8 ? head_dim + 4 : head_dim * (kind == KV_BF16 ? 2 : 4);
+}
+static inline int64_t kv_elem_bytes(int64_t kind) { return kind == KV_INT8 ? 1 : kind == KV_BF16 ? 2 : 4; }
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* exp(x) for x <= 0 or moderate x, as Cephes expf: 2^n * p(r), |error| ~1 ulp; branch-free so
  * that loops over it vectorize. */
 static inline float exp_approx(float x) {

@@ -11,7 +11,7 @@
  * Layouts (all row-major, contiguous unless a stride is given):
  *   qkv      [rows, qkv_stride]: q heads, then k heads, then v heads, each head_dim wide
  *   cache    [slots, kv_heads, head_dim] of one layer (keys or values); slot = block * bs + i;
- *            int8: [slots, kv_heads, head_dim + 4] bytes, codes then the fp32 scale
+ *            int8: [slots, kv_heads, head_dim + 4] bytes, codes then the fp32 scale; bf16: 2 bytes each
  *   tables   [rows, table_stride] int64 block ids; lens [rows] int64 context, own token included
  */
 #include "common.h"
@@ -59,13 +59,22 @@ static void code_int8(const float *x, int64_t kv_heads, int64_t head_dim, int8_t
     }
 }
 
+/* n floats as bf16, each rounded to nearest even as torch's conversion rounds it (a NaN to a NaN). */
+static void to_bf16(const float *x, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        dst[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 /* RoPE (HF's rotate_half form) on the q and k heads of each row of qkv, in place, then the row's
- * k and v heads written into the caches at slots[r]: as they are (kv_int8 0), or coded into
- * int8 rows of head_dim + 4 bytes (kv_int8 1). cos, sin: [positions, head_dim]; sin carries
- * rotate_half's sign (-sin on the first half). */
+ * k and v heads written into the caches at slots[r] as `kv_kind` stores them (common.h): as
+ * they are, coded into int8 rows of head_dim + 4 bytes, or rounded to bf16. cos, sin:
+ * [positions, head_dim]; sin carries rotate_half's sign (-sin on the first half). */
 void rope_write(float *qkv, int64_t rows, int64_t qkv_stride, int64_t heads, int64_t kv_heads, int64_t head_dim,
                 const int64_t *positions, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                void *v_cache, int64_t kv_int8, int64_t threads) {
+                void *v_cache, int64_t kv_kind, int64_t threads) {
     int64_t half = head_dim / 2, kv_width = kv_heads * head_dim, coded_width = kv_heads * (head_dim + 4);
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -81,9 +90,12 @@ void rope_write(float *qkv, int64_t rows, int64_t qkv_stride, int64_t heads, int
             for (int64_t i = 0; i < head_dim; i++) x[i] = x[i] * c[i] + tmp[i];
         }
         const float *k = row + heads * head_dim, *v = k + kv_width;
-        if (kv_int8) {
+        if (kv_kind == KV_INT8) {
             code_int8(k, kv_heads, head_dim, (int8_t *)k_cache + slots[r] * coded_width);
             code_int8(v, kv_heads, head_dim, (int8_t *)v_cache + slots[r] * coded_width);
+        } else if (kv_kind == KV_BF16) {
+            to_bf16(k, kv_width, (uint16_t *)k_cache + slots[r] * kv_width);
+            to_bf16(v, kv_width, (uint16_t *)v_cache + slots[r] * kv_width);
         } else {
             memcpy((float *)k_cache + slots[r] * kv_width, k, kv_width * sizeof(float));
             memcpy((float *)v_cache + slots[r] * kv_width, v, kv_width * sizeof(float));

@@ -12,8 +12,8 @@ void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t 
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int64_t threads);
 void rope_write(float *qkv, int64_t rows, int64_t qkv_stride, int64_t heads, int64_t kv_heads, int64_t head_dim,
                 const int64_t *positions, const float *cos, const float *sin, const int64_t *slots, void *k_cache,
-                void *v_cache, int64_t kv_int8, int64_t threads);
-int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t kv_int8,
+                void *v_cache, int64_t kv_kind, int64_t threads);
+int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t kv_kind,
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t threads,
                      float *out);
@@ -39,7 +39,7 @@ static int project(const int64_t *w, int64_t q4, const float *x, int64_t rows, i
  * after. The rest as rope_write and decode_attention take them. Returns 0, or -1 where scratch
  * could not be allocated (h then half through the stack: the caller raises). */
 int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights, int64_t q4, char *kv,
-                  int64_t kv_half, int64_t kv_int8, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                  int64_t kv_half, int64_t kv_kind, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                   int64_t intermediate, float eps, const int64_t *positions, const float *cos, const float *sin,
                   const int64_t *slots, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                   int64_t block_size, float scale, int64_t threads) {
@@ -56,8 +56,8 @@ int decode_layers(float *h, int64_t rows, int64_t layers, const int64_t *weights
         rms_norm(h, i ? delta : NULL, (const float *)w[ATTN_NORM], x, rows, hidden, eps, threads);
         status |= project(w + QKV, q4, x, rows, hidden, qkv_n, threads, qkv);
         rope_write(qkv, rows, qkv_n, heads, kv_heads, head_dim, positions, cos, sin, slots, k_cache, v_cache,
-                   kv_int8, threads);
-        status |= decode_attention(qkv, qkv_n, k_cache, v_cache, kv_int8, tables, table_stride, lens, rows, heads,
+                   kv_kind, threads);
+        status |= decode_attention(qkv, qkv_n, k_cache, v_cache, kv_kind, tables, table_stride, lens, rows, heads,
                                    kv_heads, head_dim, block_size, scale, threads, a);
         status |= project(w + O, q4, a, rows, q_size, hidden, threads, o);
         rms_norm(h, o, (const float *)w[MLP_NORM], x, rows, hidden, eps, threads);

@@ -18,7 +18,7 @@ PROMPTS = [[5, 9, 11], list(range(1, 40)), [7] * 17, [100, 2]]
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8"])
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True, logprobs=3),

@@ -51,20 +51,26 @@ def test_silu_mul_over_the_whole_range(ops: native.NativeOps) -> None:
     torch.testing.assert_close(ops.silu_mul(gu), expected, rtol=2e-6, atol=1e-7)
 
 
-def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeOps) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeOps, kv_dtype: torch.dtype) -> None:
+    """bf16: each value rounded as torch rounds it, to nearest and ties to even (the value row of
+    row 0 holds ties both ways, and values that round up into the next binade)."""
     model = LlamaModel(TINY, tiny_weights(), torch.float32)
     nh, nkv, d = TINY.num_heads, TINY.num_kv_heads, TINY.head_dim
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(6, TINY.q_size + 2 * TINY.kv_size, generator=gen)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000 - (1 << 32), 0x3FFFFFFF, 0x3FFF8000, 0x40018000])
+    ties = ties.to(torch.int32)
+    qkv[0, TINY.q_size + TINY.kv_size : TINY.q_size + TINY.kv_size + 6] = ties.view(torch.float32)
     positions = torch.tensor([0, 1, 7, 100, 511, 3])
     slots = torch.tensor([9, 2, 30, 31, 0, 17])
-    k_cache, v_cache = torch.zeros(32, nkv, d), torch.zeros(32, nkv, d)
+    k_cache, v_cache = torch.zeros(32, nkv, d, dtype=kv_dtype), torch.zeros(32, nkv, d, dtype=kv_dtype)
     qk = qkv[:, : TINY.q_size + TINY.kv_size].reshape(6, nh + nkv, d)
     expected = model.rope(qk, model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1))
     v = qkv[:, TINY.q_size + TINY.kv_size :].reshape(6, nkv, d).clone()
     ops.rope_write(qkv, nh, nkv, positions, model.cos, model.sin, slots, k_cache, v_cache)
     assert torch.equal(qkv[:, : TINY.q_size + TINY.kv_size].reshape(6, nh + nkv, d), expected)
-    assert torch.equal(k_cache[slots], expected[:, nh:]) and torch.equal(v_cache[slots], v)
+    assert torch.equal(k_cache[slots], expected[:, nh:].to(kv_dtype)) and torch.equal(v_cache[slots], v.to(kv_dtype))
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
@@ -73,15 +79,17 @@ def test_rope_is_bit_identical_and_the_kv_lands_at_its_slots(ops: native.NativeO
 @pytest.mark.parametrize("lens", [[1], [100], [5, 16, 17], [300, 7, 129, 64], [1000, 1], [1537, 512, 513], [700, 63]])
 # heads, kv heads, head dim: SmolLM2's GQA; one q head a kv head; groups of 6 (tiles of 4 and 2)
 # over two 64-wide chunks; a head narrower than the AVX-512 value tiles (the plain loops)
-@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 64), (12, 2, 128), (4, 2, 16)])
+# (and a head the AVX2 loops take 8 dims at a time)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 4, 64), (12, 2, 128), (4, 2, 16), (4, 2, 8)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])  # bf16: read as its values, widened
 def test_decode_attention_reads_the_paged_cache(
-    ops: native.NativeOps, lens: list[int], shape: tuple[int, int, int]
+    ops: native.NativeOps, lens: list[int], shape: tuple[int, int, int], kv_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(len(lens) * 1000 + sum(lens))
     bs, num_blocks = 16, 128
     nh, nkv, d = shape
-    k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
+    k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen).to(kv_dtype)
     qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)  # q read in place: a strided row
     tables = random_tables(gen, lens, num_blocks, bs)
     got = ops.decode_attention(qkv, nh, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens), bs)
@@ -90,7 +98,7 @@ def test_decode_attention_reads_the_paged_cache(
     torch.testing.assert_close(got.view(len(lens), nh, d).double(), expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])  # int8: the integer kernels' per-segment roundings too
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])  # int8: the integer kernels' roundings too
 def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(
     ops: native.NativeOps, kv_dtype: str
 ) -> None:
@@ -101,8 +109,8 @@ def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(
     bs, num_blocks, (nh, nkv, d) = 16, 160, (9, 3, 64)
     k_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
     v_cache = torch.randn(num_blocks * bs, nkv, d, generator=gen)
-    if kv_dtype == "int8":
-        codec = KVCodec.of("int8", torch.float32)
+    if kv_dtype != "fp32":
+        codec = KVCodec.of(kv_dtype, torch.float32)
         k_cache, v_cache = codec.encode(k_cache), codec.encode(v_cache)
     lens = [100, 700, 40, 300, 65]
     qkv = torch.randn(len(lens), (nh + 2 * nkv) * d, generator=gen)
@@ -120,16 +128,31 @@ def test_a_rows_attention_is_the_same_bits_in_any_batch_and_on_any_thread_count(
     assert torch.equal(one_thread, together)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])  # fp32 cache rows, or int8 codes read in place
+class CountingOps(native.NativeOps):
+    """The built ops, counting the steps that write the cache through them."""
+
+    def __init__(self, built: native.NativeOps) -> None:
+        super().__init__(built._lib)
+        self.writes = 0
+
+    def rope_write(self, *args: object, **kw: object) -> None:
+        self.writes += 1
+        super().rope_write(*args, **kw)  # type: ignore[arg-type]
+
+
+# fp32 cache rows, bf16 ones widened as read, or int8 codes read in place
+@pytest.mark.parametrize("kv_dtype", ["auto", "bf16", "int8"])
 def test_the_models_decode_through_them_equals_its_torch_path(ops: native.NativeOps, kv_dtype: str) -> None:
     model = LlamaModel(TINY, tiny_weights(), torch.float32)
     assert model.native is ops
     prompts = [[5, 9, 11], list(range(1, 40)), [7] * 17, [100, 2]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
     results = []
-    for fused in (ops, None):
+    counting = CountingOps(ops)
+    for fused in (counting, None):
         model.native = fused
         results.append(generate_checked(model, prompts, params, kv_dtype=kv_dtype))
+    assert counting.writes >= 24 * TINY.num_layers  # every step took the C ops (fp32 weights: layer by layer)
     for c_out, torch_out in zip(*results, strict=True):
         assert c_out.token_ids == torch_out.token_ids
         for a, b in zip(c_out.logprobs, torch_out.logprobs, strict=True):
@@ -142,7 +165,7 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     tmp_path: Path, without: tuple[str, ...]
 ) -> None:
     """The C code as a CPU without AVX-512 (or VNNI) runs it, with AVX2 or without: the int8
-    product the same bits, attention the same to rounding, over fp32 caches and int8 ones (with
+    product the same bits, attention the same to rounding, over fp32, bf16 and int8 caches (with
     AVX2 the int8 ones summed in integers)."""
     if not HAS_CC:
         pytest.skip("no C compiler")
@@ -164,12 +187,14 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     q = qkv[:, : 9 * 64].reshape(2, 9, 64)
     int8 = KVCodec.of("int8", torch.float32)
     k8, v8 = int8.encode(k_cache), int8.encode(v_cache)
-    # fp32 caches to 2e-5, as before; int8 ones read as their decoded values to 6e-5: as floats by
+    # fp32 and bf16 caches to 2e-5, as before; int8 ones read as their decoded values to 6e-5: as floats by
     # the plain loops, summed in integers with AVX2 (the query and the softmax weights rounded to
     # int16, which test_native_kv_int8.py holds to that rounding at 1e-5)
     avx2 = "-mno-avx2" not in without and {"avx2", "fma"} <= cpu_flags()
     assert plain.decode_attention_int8_fast == avx2
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     for k, v, keys, values, atol in ((k_cache, v_cache, k_cache, v_cache, 2e-5),
+                                     (k16, v16, k16.float(), v16.float(), 2e-5),
                                      (k8, v8, int8.decode(k8), int8.decode(v8), 6e-5)):  # fmt: skip
         got = plain.decode_attention(qkv, 9, k, v, tables, torch.tensor(lens), 16)
         expected = dense_reference(q, keys, values, tables.tolist(), lens, 16)
