@@ -23,6 +23,7 @@
 #include "attention_avx512.h"
 #include "attention_int8.h"
 #include "attention_int8_avx2.h"
+#include "attention_bf16_avx2.h"
 
 /* CALL(NH) with NH the constant 1-4 that `n` heads (>= 1) ask for, 4 where more: the kernels
  * take the heads of a GQA group 4 at a time, each variant with its sums in registers. */
@@ -103,6 +104,8 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
     if (int8_path)
         avx2_int8_scores(q, (const int8_t *)k_cache, (const int8_t *)v_cache, slot, n, heads, kv_heads, head_dim,
                          scale, scores);
+    else if (kind == KV_BF16 && head_dim % 16 == 0)
+        avx2_bf16_scores(q, k_cache, v_cache, slot, n, heads, kv_heads, head_dim, scale, scores);
     else if (head_dim % 8 == 0)
         avx2_scores(q, k_cache, kind, slot, n, heads, kv_heads, head_dim, scale, scores);
     else
