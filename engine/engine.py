@@ -53,7 +53,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        codec = KVCodec.of(config.kv_dtype, model.dtype)
+        codec = KVCodec.of(config.kv_dtype, model.dtype, model.quantized)
         graphed = config.cuda_graphs and model.device.type == "cuda"
         # with graphs, one block more than the block manager hands out: padding rows write there
         blocks = config.num_blocks + (1 if graphed else 0)

@@ -2,7 +2,7 @@
 
 EngineConfig.kv_dtype picks one, apart from the activation dtype:
 
-    auto   the activation dtype (fp32 for int8 weights)
+    auto   the activation dtype; bf16 where quantized (int8, int4) weights run fp32 activations
     fp32, bf16, fp16   a float cache; attention reads it cast to the activation dtype
     int8   per (token, head): 127-level codes of x / scale, scale = max|x| / 127
     fp8    per (token, head): float8 e4m3 codes of x / scale, scale = max|x| / 448
@@ -33,10 +33,16 @@ class KVCodec:
     compute: torch.dtype  # what attention reads: the activation dtype
 
     @classmethod
-    def of(cls, kv_dtype: str, compute: torch.dtype) -> KVCodec:
+    def of(cls, kv_dtype: str, compute: torch.dtype, quantized: bool = False) -> KVCodec:
+        """kv_dtype for activations of `compute`; quantized: the weights are int8 or int4, where
+        `auto` is bf16 over fp32 activations. Measured there (SmolLM2, Zen 1 EPYC, int4 weights):
+        decode at 8K tokens 1.4x an fp32 cache's, the same elsewhere; greedy agreement with the fp32
+        model as an fp32 cache's (README, "KV cache dtypes"); and half the bytes to hold and move."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        if kv_dtype == "auto":
+        if kv_dtype == "auto" and quantized and compute == torch.float32:
+            kv_dtype = "bf16"
+        elif kv_dtype == "auto":
             kv_dtype = next(k for k, v in _FLOATS.items() if v == compute)
         return cls(kv_dtype, compute)
 

@@ -116,6 +116,7 @@ class LlamaModel:
     ) -> None:
         self.config = config
         self.dtype = dtype
+        self.quantized = int8  # the projections' weights are int8 or int4: the output is lossy anyway
         self.embed = tensor("embed")  # [vocab, hidden]
         self.lm_head = projection("lm_head") if int8 else None
         self._lm_head_weight = self.embed if config.tie_embeddings or int8 else tensor("lm_head")

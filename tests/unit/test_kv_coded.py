@@ -16,7 +16,7 @@ from kv_transfer.errors import ChunkRejected
 from kv_transfer.wire import checksum, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.kv_harness import Pair, make_pair
-from tests.unit.tiny import TINY, make_engine
+from tests.unit.tiny import TINY, make_engine, quantized_model, tiny_weights
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 CODED = ["int8", "fp8"]
@@ -34,9 +34,15 @@ def test_codec_round_trip_error_is_bounded_per_token_and_head(kind: str, rel: fl
     assert codec.decode(codec.encode(torch.zeros(2, 3, 16))).eq(0).all()  # an all-zero row stays zero
 
 
-def test_auto_is_the_activation_dtype_and_unknown_kinds_are_refused() -> None:
+def test_auto_is_the_activation_dtype_but_bf16_under_quantized_weights_and_unknown_kinds_are_refused() -> None:
     assert KVCodec.of("auto", torch.bfloat16).kind == "bf16" and KVCodec.of("auto", torch.float32).passthrough
     assert not KVCodec.of("bf16", torch.float32).passthrough
+    assert KVCodec.of("auto", torch.float32, quantized=True).kind == "bf16"
+    assert KVCodec.of("auto", torch.bfloat16, quantized=True).kind == "bf16"
+    assert KVCodec.of("fp32", torch.float32, quantized=True).kind == "fp32"  # asked for: as asked
+    for weights in ("int8", "int4"):
+        assert make_engine(quantized_model(weights), num_blocks=8).cache.dtype == torch.bfloat16
+    assert make_engine(LlamaModel(TINY, tiny_weights(), torch.float32), num_blocks=8).cache.dtype == torch.float32
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int4")
 
@@ -56,24 +62,34 @@ def test_engine_on_a_coded_cache(tiny_model: LlamaModel, kv_dtype: str) -> None:
     whole.check_integrity()
 
 
-@pytest.fixture(params=CODED)
-def coded_pair(request: pytest.FixtureRequest, tiny_model: LlamaModel) -> Iterator[Pair]:
-    kv = {"kv_dtype": request.param}
+def pair_of(kv_dtype: str, tiny_model: LlamaModel) -> Iterator[Pair]:
+    kv = {"kv_dtype": kv_dtype}
     p = make_pair(tiny_model, max_num_batched_tokens=8, decode_kw=kv, **kv)
     yield p
     p.close()
 
 
+@pytest.fixture(params=CODED)
+def coded_pair(request: pytest.FixtureRequest, tiny_model: LlamaModel) -> Iterator[Pair]:
+    yield from pair_of(request.param, tiny_model)
+
+
+@pytest.fixture(params=["bf16", *CODED])  # bf16: `auto` with quantized weights
+def narrow_pair(request: pytest.FixtureRequest, tiny_model: LlamaModel) -> Iterator[Pair]:
+    yield from pair_of(request.param, tiny_model)
+
+
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
-def test_coded_blocks_and_scales_arrive_bit_identical(coded_pair: Pair, tiny_model: LlamaModel, transport: str) -> None:
-    pair, kv_dtype = coded_pair, coded_pair.decode.config.kv_dtype
+def test_narrow_blocks_arrive_bit_identical(narrow_pair: Pair, tiny_model: LlamaModel, transport: str) -> None:
+    pair, kv_dtype = narrow_pair, narrow_pair.decode.config.kv_dtype
     client = pair.client(transport)
     prompt = [random.Random(7).randrange(128) for _ in range(37)]
     first, res, src = pair.transfer(client, "r", prompt, GREEDY)
     pair.receiver.wait("r", 2.0)
     dst = pair.decode.cache.read_blocks(list(res.block_ids))
     assert dst.dtype == src.dtype and torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
-    assert (scales(dst) >= 0).all() and (scales(dst) > 0).any()
+    if kv_dtype in CODED:
+        assert (scales(dst) >= 0).all() and (scales(dst) > 0).any()
     pair.receiver.admit("r", prompt, first.new_token_ids[0], GREEDY)
     got: list[int] = []
     while pair.decode.has_unfinished():
