@@ -41,24 +41,12 @@ static inline __attribute__((always_inline)) void load_bf16_pairs(const char *p,
 }
 
 /* q . k_j for 8 keys of one kv head of a cache of `kind`, key j at kg + off[j] bytes (unscaled
- * codes for int8). */
+ * codes for int8; bf16 only where head_dim is not a multiple of 16: attention_bf16_avx2.h takes
+ * the rest). */
 static inline __attribute__((always_inline)) __m256 dots8(const float *q, const char *kg, const int64_t *off,
                                                           int kind, int64_t head_dim) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-    if (kind == KV_BF16 && head_dim % 16 == 0) { /* 16 dims a load: q's even and odd dims against them */
-        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-        for (int64_t d = 0; d < head_dim; d += 16) {
-            __m256 lo = _mm256_loadu_ps(q + d), hi = _mm256_loadu_ps(q + d + 8), ke, ko;
-            __m256 qe = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0x88), order);
-            __m256 qo = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0xDD), order);
-            for (int j = 0; j < 8; j++) {
-                load_bf16_pairs(kg + off[j] + 2 * d, &ke, &ko);
-                acc[j] = _mm256_fmadd_ps(qo, ko, _mm256_fmadd_ps(qe, ke, acc[j]));
-            }
-        }
-        return sum8(acc);
-    }
     for (int64_t d = 0; d < head_dim; d += 8) {
         __m256 qd = _mm256_loadu_ps(q + d);
         for (int j = 0; j < 8; j++)

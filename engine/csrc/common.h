@@ -36,7 +36,7 @@ TANDEM_DP(dpbf16, "vdpbf16ps", __m512, __m512bh) /* bf16 pairs into fp32 */
  * each fp32 (rounded to nearest even where written). */
 enum { KV_FP32, KV_INT8, KV_BF16 };
 
-/* Bytes of one kv head of one token in a cache of `kind`; of one element where not int8. */
+/* Bytes of one kv head of one token in a cache of `kind`, and of one of its values. */
 static inline int64_t kv_row_bytes(int64_t kind, int64_t head_dim) {
     return kind == KV_INT8 ? head_dim + 4 : head_dim * (kind == KV_BF16 ? 2 : 4);
 }
