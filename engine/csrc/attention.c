@@ -105,7 +105,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
         avx2_int8_scores(q, (const int8_t *)k_cache, (const int8_t *)v_cache, slot, n, heads, kv_heads, head_dim,
                          scale, scores);
     else if (kind == KV_BF16 && head_dim % 16 == 0)
-        avx2_bf16_scores(q, k_cache, v_cache, slot, n, heads, kv_heads, head_dim, scale, scores);
+        avx2_bf16_scores(q, k_cache, slot, n, heads, kv_heads, head_dim, scale, scores);
     else if (head_dim % 8 == 0)
         avx2_scores(q, k_cache, kind, slot, n, heads, kv_heads, head_dim, scale, scores);
     else

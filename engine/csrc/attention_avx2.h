@@ -158,7 +158,8 @@ static inline __attribute__((always_inline)) void pv_tile8(const float *p, const
             if (kind != KV_BF16)
                 _mm256_storeu_ps(o + t * head_dim + 8 * c, acc[t][c]);
             else if (c % 2 == 0) { /* even and odd dims back in order */
-                __m256 lo = _mm256_unpacklo_ps(acc[t][c], acc[t][c + 1]), hi = _mm256_unpackhi_ps(acc[t][c], acc[t][c + 1]);
+                __m256 lo = _mm256_unpacklo_ps(acc[t][c], acc[t][c + 1]);
+                __m256 hi = _mm256_unpackhi_ps(acc[t][c], acc[t][c + 1]);
                 _mm256_storeu_ps(o + t * head_dim + 8 * c, _mm256_permute2f128_ps(lo, hi, 0x20));
                 _mm256_storeu_ps(o + t * head_dim + 8 * c + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
             }

@@ -14,7 +14,8 @@ static inline __attribute__((always_inline)) __m512 load16(const char *p, int ki
     if (kind == KV_INT8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     if (kind == KV_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     return _mm512_loadu_ps((const float *)p);
 }
 

@@ -1,9 +1,11 @@
 /* Decode attention's scores over a bf16 cache on a CPU with AVX2 but no AVX-512 (attention.c):
  * 4 tokens at a time, every kv head of each token's record in turn, each 16 dims of a key split
  * into its even and odd dims (a shift, a mask: attention_avx2.h's load_bf16_pairs) once for all
- * the heads of its group, against the queries split so beforehand; the records PF tokens on are
- * prefetched, keys into L1, values into L2 for the value sums (attention_avx2.h's, which read
- * bf16 in the same pairs). attention_avx2.h's per-head dots had split each key once per head. */
+ * the heads of its group, against the queries split so beforehand; the key records PF tokens on
+ * are prefetched into L1. attention_avx2.h's per-head dots had split each key once per head. Its
+ * value sums read bf16 in the same pairs and prefetch their own rows: prefetching the values
+ * into L2 here too, as avx2_int8_scores does for its value sums (which have none), was slower
+ * (30 layers from memory, 8,000 keys, a Zen 1 EPYC: 811-814 against 713-724 us a layer). */
 #ifndef TANDEM_ATTENTION_BF16_AVX2_H
 #define TANDEM_ATTENTION_BF16_AVX2_H
 /* SEGMENT: the most keys of one work item (attention.c); PF, load_bf16_pairs, prefetch_bytes:
@@ -37,8 +39,8 @@ static inline __attribute__((always_inline)) void bdots4(const float *qs, int nh
 
 /* scores[h * SEGMENT + j] = q_h . k_j * scale for every query head and the n (<= SEGMENT) bf16
  * keys at `slot`; head_dim a multiple of 16, at most 512. */
-static void avx2_bf16_scores(const float *q, const char *k_cache, const char *v_cache, const int64_t *slot, int64_t n,
-                             int64_t heads, int64_t kv_heads, int64_t head_dim, float scale, float *scores) {
+static void avx2_bf16_scores(const float *q, const char *k_cache, const int64_t *slot, int64_t n, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, float scale, float *scores) {
     int64_t group = heads / kv_heads, row = 2 * head_dim, record = kv_heads * row, off[SEGMENT + 4];
     float qs[heads * head_dim];
     for (int64_t h = 0; h < heads; h++)
@@ -50,10 +52,8 @@ static void avx2_bf16_scores(const float *q, const char *k_cache, const char *v_
     for (int64_t j = 0; j < n + 4; j++) off[j] = slot[j < n ? j : 0] * record; /* pad: key 0 */
     const __m128 s = _mm_set1_ps(scale);
     for (int64_t j = 0; j < n; j += 4) {
-        for (int64_t i = j + PF; i < j + PF + 4 && i < n; i++) {
+        for (int64_t i = j + PF; i < j + PF + 4 && i < n; i++)
             prefetch_bytes((const int8_t *)k_cache + off[i], record, 0);
-            prefetch_bytes((const int8_t *)v_cache + off[i], record, 1);
-        }
         for (int64_t g = 0; g < kv_heads; g++) {
             const char *kg = k_cache + g * row;
             for (int64_t h = g * group; h < (g + 1) * group; h += 3) {
