@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_codec import KV_DTYPES
+from engine.kv_codec import KV_DTYPES, KVCodec
 from engine.roles import ROLES, Role
 
 CPU_PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk
@@ -144,3 +144,9 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """dtype of activations and of the KV cache."""
         return DTYPES[self.weight_dtype]
+
+    @property
+    def kv_storage(self) -> str:
+        """kv_dtype, `auto` resolved as an engine of these weights resolves it (engine/kv_codec.py):
+        for the startup line."""
+        return KVCodec.of(self.kv_dtype, self.torch_dtype, self.weight_dtype in ("int8", "int4")).kind

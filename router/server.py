@@ -167,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"tandem serve: {e}") from None
     started = time.monotonic()
     dtype = f"auto -> {config.engine.weight_dtype}" if args.dtype == "auto" else args.dtype  # as on this host
+    kv = f"auto -> {config.engine.kv_storage}" if args.kv_dtype == "auto" else args.kv_dtype
     print(
         f"tandem: starting {prefill} prefill, {decode} decode, {args.colocated} colocated worker(s) "
-        f"({dtype}, {f'{threads} threads each' if threads else 'all cores each'}, KV {args.kv_dtype} over "
+        f"({dtype}, {f'{threads} threads each' if threads else 'all cores each'}, KV {kv} over "
         f"{args.transport}) ...",
         flush=True,
     )

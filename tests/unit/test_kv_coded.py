@@ -43,6 +43,9 @@ def test_auto_is_the_activation_dtype_but_bf16_under_quantized_weights_and_unkno
     for weights in ("int8", "int4"):
         assert make_engine(quantized_model(weights), num_blocks=8).cache.dtype == torch.bfloat16
     assert make_engine(LlamaModel(TINY, tiny_weights(), torch.float32), num_blocks=8).cache.dtype == torch.float32
+    # as the startup line says it, before any engine is built
+    assert [EngineConfig(dtype=d).kv_storage for d in ("fp32", "int8", "int4")] == ["fp32", "bf16", "bf16"]
+    assert EngineConfig(dtype="int8", kv_dtype="int8").kv_storage == "int8"
     with pytest.raises(ValueError, match="kv_dtype"):
         EngineConfig(kv_dtype="int4")
 
