@@ -36,7 +36,7 @@ class KVCodec:
     def of(cls, kv_dtype: str, compute: torch.dtype, quantized: bool = False) -> KVCodec:
         """kv_dtype for activations of `compute`; quantized: the weights are int8 or int4, where
         `auto` is bf16 over fp32 activations. Measured there (SmolLM2, Zen 1 EPYC, int4 weights):
-        decode at 8K tokens 1.4x an fp32 cache's, the same elsewhere; greedy agreement with the fp32
+        decode at 8K tokens 1.57x an fp32 cache's, the same elsewhere; greedy agreement with the fp32
         model as an fp32 cache's (README, "KV cache dtypes"); and half the bytes to hold and move."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
