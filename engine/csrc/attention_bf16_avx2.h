@@ -5,13 +5,12 @@
  * are prefetched into L1. attention_avx2.h's per-head dots had split each key once per head. Its
  * value sums read bf16 in the same pairs and prefetch their own rows: prefetching the values
  * into L2 here too, as avx2_int8_scores does for its value sums (which have none), was slower
- * (30 layers from memory, 8,000 keys, a Zen 1 EPYC: 811-814 against 713-724 us a layer). */
+ * (30 layers from memory, 8,000 keys, a Zen 1 EPYC: 811-829 against 707-724 us a layer). */
 #ifndef TANDEM_ATTENTION_BF16_AVX2_H
 #define TANDEM_ATTENTION_BF16_AVX2_H
 /* SEGMENT: the most keys of one work item (attention.c); PF, load_bf16_pairs, prefetch_bytes:
  * attention_avx2.h and attention_int8_avx2.h, included before this under the same condition */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define BF16_ATTENTION 1
 #include <immintrin.h>
 
 /* Lane j of out[t]: the dot of query head t (split: each 16 dims as their 8 even, then 8 odd;
