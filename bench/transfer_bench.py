@@ -209,12 +209,7 @@ def measure_transfers(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench transfer", description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "fp32", "int8"],
-        help="int8: W8A8 (its KV bf16 under --kv-dtype auto)",
-    )
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "int8"], help="int8: W8A8 (KV auto: bf16)")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"], help="KV cache")
     ap.add_argument("--transports", default=",".join(TRANSPORTS), help=f"comma-separated: {', '.join(TRANSPORTS)}")
     ap.add_argument("--receiver", default="process", choices=["process", "thread"], help="decode side placement")

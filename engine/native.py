@@ -8,8 +8,7 @@ On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torc
 read it. The C functions fuse RMSNorm with its residual add, RoPE with the KV-cache write, SiLU
 with its multiply, and attention reads the paged cache in place, split into segments of keys
 over torch's own OpenMP threads (the library links the libgomp torch loaded, so the engine
-loop's thread keeps one team: engine/torch_threads.py); an int8 cache is read as its codes, a
-bf16 one widened as it is read.
+loop's thread keeps one team: engine/torch_threads.py); int8 caches are read as codes, bf16 widened.
 A layer is four matmuls and four C calls. Measured (int8 SmolLM2, 2 cores, alternated in one
 process): a decode step of 1 row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K
 context 57.8 -> 31.6 ms. With int8 weights the matmuls are linear_i8's: activations quantized
@@ -194,8 +193,7 @@ class NativeOps:
     ) -> None:
         """h through every layer as a step of decode rows (engine/csrc/decode_layers.c), in place:
         weights the table engine/decode_stack.py builds (q4: of 4-bit weights), kv the whole cache
-        [layers, 2, ...] (fp32, bf16 or int8 rows: its dtype says which). Raises MemoryError
-        without scratch."""
+        [layers, 2, ...] (fp32, bf16 or int8 rows, as its dtype says). Raises MemoryError without scratch."""
         rows, layers, d = h.shape[0], weights.shape[0], cfg.head_dim
         status = self._lib.decode_layers(h.data_ptr(), rows, layers, weights.data_ptr(), q4, kv.data_ptr(),
                                          kv.stride(1) * kv.element_size(), KV_KIND[kv.dtype], cfg.hidden_size,
