@@ -8,8 +8,8 @@
  * (30 layers from memory, 8,000 keys, a Zen 1 EPYC: 811-829 against 707-724 us a layer). */
 #ifndef TANDEM_ATTENTION_BF16_AVX2_H
 #define TANDEM_ATTENTION_BF16_AVX2_H
-/* SEGMENT: the most keys of one work item (attention.c); PF, load_bf16_pairs, prefetch_bytes:
- * attention_avx2.h and attention_int8_avx2.h, included before this under the same condition */
+/* SEGMENT: the most keys of one work item (attention.c); PF, load_bf16_pairs: attention_avx2.h,
+ * included before this under the same condition; prefetch_bytes: common.h */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -52,7 +52,7 @@ static void avx2_bf16_scores(const float *q, const char *k_cache, const int64_t 
     const __m128 s = _mm_set1_ps(scale);
     for (int64_t j = 0; j < n; j += 4) {
         for (int64_t i = j + PF; i < j + PF + 4 && i < n; i++)
-            prefetch_bytes((const int8_t *)k_cache + off[i], record, 0);
+            prefetch_bytes(k_cache + off[i], record, 0);
         for (int64_t g = 0; g < kv_heads; g++) {
             const char *kg = k_cache + g * row;
             for (int64_t h = g * group; h < (g + 1) * group; h += 3) {

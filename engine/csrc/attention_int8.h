@@ -7,7 +7,7 @@
  * reading them (int8 -> int32 -> fp32: two ops a 16 values, then a multiply-add, for each head). */
 #ifndef TANDEM_ATTENTION_INT8_H
 #define TANDEM_ATTENTION_INT8_H
-/* SEGMENT: the most keys of one work item (attention.c) */
+/* SEGMENT: the most keys of one work item; L2_AHEAD: how far ahead the scores prefetch (attention.c) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define INT8_ATTENTION 1
 #include <immintrin.h>
@@ -71,11 +71,14 @@ static inline __attribute__((always_inline)) __m512i idots(const int16_t *q, con
 }
 
 /* scores[t][j] (rows `stride` apart) of nh (1-4) query heads q (fp32, rows head_dim apart) over n
- * int8 keys of one kv head (key j at k + off[j], off readable to n + 16, kscale[j] its scale
- * times the softmax's). head_dim a multiple of 32, at most 4 * 512 / nh. */
-static inline __attribute__((always_inline)) void int8_scores(const float *q, int nh, const int8_t *k,
-                                                              const int64_t *off, const float *kscale, int64_t n,
-                                                              int64_t head_dim, float *scores, int64_t stride) {
+ * int8 keys of one kv head (key j at k + off[j], off readable to n + 16 + L2_AHEAD, kscale[j] its
+ * scale times the softmax's). head_dim a multiple of 32, at most 4 * 512 / nh. With `prefetch`,
+ * the rows L2_AHEAD keys on and the value rows (v + off[j]) of the keys scored into L2, as
+ * attention.c's other scores do. */
+static inline __attribute__((always_inline)) void int8_scores(const float *q, int nh, const int8_t *k, const int8_t *v,
+                                                              int prefetch, const int64_t *off, const float *kscale,
+                                                              int64_t n, int64_t head_dim, float *scores,
+                                                              int64_t stride) {
     const int nk = 16 / nh;
     int16_t qi[4 * 512];
     float qs[16] = {0};
@@ -85,6 +88,10 @@ static inline __attribute__((always_inline)) void int8_scores(const float *q, in
     const __m512i key_lane = _mm512_loadu_si512(key_of);
     const __m512 qscale = _mm512_permutexvar_ps(_mm512_loadu_si512(head_of), _mm512_loadu_ps(qs));
     for (int64_t j = 0; j < n; j += nk) {
+        for (int i = 0; prefetch && i < nk; i++) {
+            prefetch_bytes(k + off[j + L2_AHEAD + i], head_dim + 4, 1);
+            prefetch_bytes(v + off[j + i], head_dim + 4, 1);
+        }
         __m512 s = _mm512_cvtepi32_ps(idots(qi, k, off + j, nh, head_dim));
         s = _mm512_mul_ps(_mm512_mul_ps(s, qscale), _mm512_permutexvar_ps(key_lane, _mm512_loadu_ps(kscale + j)));
         unsigned m = (1u << (n - j < nk ? n - j : nk)) - 1;

@@ -15,12 +15,6 @@
 #define INT8_ATTENTION 1
 #include <immintrin.h>
 
-/* The cache lines of the `bytes` bytes at p, into L1 (hint T0) or L2 (T1). */
-static inline void prefetch_bytes(const int8_t *p, int64_t bytes, int hint_l2) {
-    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)p + bytes; a += 64)
-        hint_l2 ? _mm_prefetch((const char *)a, _MM_HINT_T1) : _mm_prefetch((const char *)a, _MM_HINT_T0);
-}
-
 /* acc += x (int32 lanes) in place, in order. As an intrinsic gcc (free to reorder integer
  * additions) unrolled a head's dims and summed a tile's products as one tree, storing them to the
  * stack first (as linear_q4.c's PIN2 tells); with an empty asm pinning the sum it still added into

@@ -49,6 +49,12 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* The cache lines of the `bytes` bytes at p, into L1 (hint T0) or L2 (T1). */
+static inline void prefetch_bytes(const void *p, int64_t bytes, int hint_l2) {
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)p + bytes; a += 64)
+        hint_l2 ? __builtin_prefetch((const void *)a, 0, 2) : __builtin_prefetch((const void *)a, 0, 3);
+}
+
 /* exp(x) for x <= 0 or moderate x, as Cephes expf: 2^n * p(r), |error| ~1 ulp; branch-free so
  * that loops over it vectorize. */
 static inline float exp_approx(float x) {

@@ -160,13 +160,17 @@ def test_the_models_decode_through_them_equals_its_torch_path(ops: native.Native
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
-@pytest.mark.parametrize("without", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "plain"])
-def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_results(
+@pytest.mark.parametrize(
+    "without",
+    [("-mno-avx512vnni",), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")],
+    ids=["avx512-no-vnni", "avx2", "plain"],
+)
+def test_without_avx512_or_vnni_the_older_kernels_give_the_same_results(
     tmp_path: Path, without: tuple[str, ...]
 ) -> None:
-    """The C code as a CPU without AVX-512 (or VNNI) runs it, with AVX2 or without: the int8
-    product the same bits, attention the same to rounding, over fp32, bf16 and int8 caches (with
-    AVX2 the int8 ones summed in integers)."""
+    """The C code as a CPU without AVX-512 VNNI runs it (AVX-512's float loops read int8 caches),
+    without AVX-512 (AVX2), or without either: the int8 product the same bits, attention the same
+    to rounding, over fp32, bf16 and int8 caches (with AVX2 alone the int8 ones summed in integers)."""
     if not HAS_CC:
         pytest.skip("no C compiler")
     path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
@@ -191,7 +195,8 @@ def test_without_avx512_the_avx2_kernel_and_the_plain_loops_give_the_same_result
     # the plain loops, summed in integers with AVX2 (the query and the softmax weights rounded to
     # int16, which test_native_kv_int8.py holds to that rounding at 1e-5)
     avx2 = "-mno-avx2" not in without and {"avx2", "fma"} <= cpu_flags()
-    assert plain.decode_attention_int8_fast == avx2
+    avx512 = "-mno-avx512f" not in without and "avx512f" in cpu_flags()
+    assert plain.decode_attention_int8_fast == (avx2 and not avx512)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     for k, v, keys, values, atol in ((k_cache, v_cache, k_cache, v_cache, 2e-5),
                                      (k16, v16, k16.float(), v16.float(), 2e-5),
