@@ -211,7 +211,7 @@ class NativeOps:
 
     @functools.cached_property
     def linear_q4_fast(self) -> bool:
-        """Whether linear_q4 runs its AVX2 tiles (else plain integer loops, the same bits)."""
+        """Whether linear_q4 runs vector tiles, AVX512-VNNI's or AVX2's (else plain loops; the same bits)."""
         return bool(self._lib.linear_q4_fast())
 
     @functools.cached_property

@@ -15,12 +15,18 @@
  *
  * With AVX2, vpmaddubsw multiplies the unsigned 4-bit weights by the signed inputs straight into
  * int16 pair sums (at most 2 x 15 x 127), and a block's 8 of them add in int16 (at most 30,480)
- * before vpmaddwd by ones takes them to int32: exact. A tile is up to 2 rows x 16 channels. */
+ * before vpmaddwd by ones takes them to int32: exact. A tile is up to 2 rows x 16 channels.
+ * With AVX512-VNNI, a block's four 64-byte vectors hold all 16 channels, and each nibble half
+ * goes through vpdpbusd (4 products a lane) straight into int32: the same exact sums. A tile is
+ * up to 4 rows x 16 channels. */
 #include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_Q4_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_Q4_AVX2 1
 #endif
@@ -103,10 +109,59 @@ static inline __attribute__((always_inline)) void tile_q4(const int8_t *xq, cons
 }
 #endif
 
+#ifdef HAVE_Q4_VNNI
+/* tile_q4 512 bits wide, `rows` 1-4: the same exact dots, then the same float steps, so the same
+ * bits. Same process, alternated, SmolLM2's four projection shapes, 2 threads, a Zen 4 EPYC
+ * (weights in L3), us against the AVX2 tiles: 1 row 40 / 43, 4 rows 76 / 100, 16 rows 234 / 320,
+ * 512 rows 6,940 / 9,631. */
+static inline __attribute__((always_inline)) void tile_q4_vnni(const int8_t *xq, const float *xsum, int64_t k,
+                                                               int rows, const uint8_t *w, const float *dm,
+                                                               const float *xscale, int64_t n, float *y) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int64_t blocks = k / QB;
+    __m512 acc[4];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = w + b * 256;
+        __m512i s[4];
+        for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 4; g++) {
+            __m512i v = _mm512_loadu_si512((const void *)(wb + g * 64));
+            __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * k + b * QB;
+                int32_t al, ah; /* the row's inputs 4g..4g+3 and 16+4g..16+4g+3, in every lane */
+                memcpy(&al, xb + 4 * g, 4);
+                memcpy(&ah, xb + 16 + 4 * g, 4);
+                s[r] = dpbusd(s[r], lo, _mm512_set1_epi32(al));
+                s[r] = dpbusd(s[r], hi, _mm512_set1_epi32(ah));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(dm + b * 32), mn = _mm512_loadu_ps(dm + b * 32 + 16);
+        for (int r = 0; r < rows; r++) {
+            acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[r]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * n, _mm512_mul_ps(acc[r], _mm512_set1_ps(xscale[r])));
+}
+#endif
+
 /* every row of y's 16 channels of group `w` */
 static void run_group(const int8_t *xq, const float *xsum, int64_t m, int64_t k, const uint8_t *w, const float *dm,
                       const float *xscale, int64_t n, float *y) {
-#ifdef HAVE_Q4_AVX2
+#ifdef HAVE_Q4_VNNI
+    for (int64_t r = 0; r < m; r += 4) { /* the group's weights (k / 2 x 16 bytes) stay in L1 for every tile */
+#define T(R) tile_q4_vnni(xq + r * k, xsum + r * (k / QB), k, R, w, dm, xscale + r, n, y + r * n)
+        switch (m - r) {
+        case 1: T(1); break;
+        case 2: T(2); break;
+        case 3: T(3); break;
+        default: T(4); break;
+        }
+#undef T
+    }
+#elif defined(HAVE_Q4_AVX2)
     int64_t r = 0;
     for (; r + 2 <= m; r += 2) /* the group's weights (k / 2 x 16 bytes) stay in L1 for every pair */
         tile_q4(xq + r * k, xsum + r * (k / QB), k, 2, w, dm, xscale + r, n, y + r * n);
@@ -135,7 +190,7 @@ static void run_group(const int8_t *xq, const float *xsum, int64_t m, int64_t k,
 }
 
 int linear_q4_fast(void) {
-#ifdef HAVE_Q4_AVX2
+#if defined(HAVE_Q4_VNNI) || defined(HAVE_Q4_AVX2)
     return 1;
 #else
     return 0;

@@ -70,19 +70,21 @@ def test_the_product_is_the_per_row_quantized_one(ops: native.NativeOps) -> None
         assert not got[0].any()
 
 
-@pytest.mark.parametrize("without", [("-mno-avx512f", "-mno-avx2")], ids=["plain"])
-def test_the_avx2_tiles_and_the_plain_loops_give_the_same_bits(
-    ops: native.NativeOps, tmp_path: Path, without: tuple[str, ...]
-) -> None:
-    """Each channel's sum runs the same fused multiply-adds in the same order on both paths."""
+@pytest.mark.parametrize("without", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], ids=["avx2", "plain"])
+def test_every_path_gives_the_same_bits(ops: native.NativeOps, tmp_path: Path, without: tuple[str, ...]) -> None:
+    """Each channel's sum runs the same fused multiply-adds in the same order on every path: this
+    CPU's (AVX512-VNNI's tiles where it has them) against AVX2's tiles and the plain loops."""
     path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
     plain = native.NativeOps(ctypes.CDLL(str(path)))
-    assert not plain.linear_q4_fast and ops.linear_q4_fast == ({"avx2", "fma"} <= cpu_flags())
+    flags = cpu_flags()
+    avx2 = {"avx2", "fma"} <= flags
+    assert plain.linear_q4_fast == (avx2 and "-mno-avx2" not in without)
+    assert ops.linear_q4_fast == (avx2 or {"avx512_vnni", "avx512bw"} <= flags)
     gen = torch.Generator().manual_seed(5)
     for n, k in ((48, 64), (32, 192)):
         w = Q4Weight.from_blocks(random_blocks(n, k, seed=n))
         assert w is not None
-        for rows in (1, 2, 3, 6, 37):
+        for rows in (1, 2, 3, 4, 5, 6, 9, 37):  # VNNI's tiles of 1-4 rows, AVX2's of 1-2
             x = torch.randn(rows, k, generator=gen) * 2
             assert torch.equal(plain.linear_q4(x, w), ops.linear_q4(x, w))
 
