@@ -151,8 +151,8 @@ def scale_seconds(requests: int = 1_000_000, workers: int = 1000) -> float:
     from planner.roofline import ModelShape
 
     config, hw = model_config("llama-3.1-8b"), known()
-    h100 = from_hardware(hw["H100-SXM"], config, "llama-3.1-8b", "bf16", 0.0, workers // 2)
-    h200 = from_hardware(hw["H200-SXM"], config, "llama-3.1-8b", "bf16", 0.0, workers // 2)
+    h100 = from_hardware(hw["H100-SXM"], config, "llama-3.1-8b", "bf16", "bf16", 0.0, workers // 2)
+    h200 = from_hardware(hw["H200-SXM"], config, "llama-3.1-8b", "bf16", "bf16", 0.0, workers // 2)
     handoff = Handoff(0.002, ModelShape.of(config, "bf16", "bf16").kv_bytes_per_token)
     trace = synthetic(MIXES["chat"], 40.0 * workers, requests, seed=1)
     t = time.perf_counter()

@@ -81,9 +81,12 @@ def from_profile(profile: EngineProfile, price: float, available: int) -> NodeKi
     return NodeKind(profile.node_class, worker, price, available, gbps)
 
 
-def from_hardware(hw: Hardware, config: ModelConfig, model: str, dtype: str, price: float, available: int) -> NodeKind:
-    shape = ModelShape.of(config, dtype, dtype)
-    profile = estimate(grid_profile(model, dtype, dtype), config, hw, dtype, hw.name)
+def from_hardware(
+    hw: Hardware, config: ModelConfig, model: str, dtype: str, kv_dtype: str, price: float, available: int
+) -> NodeKind:
+    """kv_dtype: as resolved (planner.roofline.gpu_kv_dtype)."""
+    shape = ModelShape.of(config, dtype, kv_dtype)
+    profile = estimate(grid_profile(model, dtype, kv_dtype), config, hw, dtype, hw.name)
     kv_tokens = int((hw.mem_bytes * GPU_KV_SHARE - shape.weight_bytes) / shape.kv_bytes_per_token)
     if kv_tokens < 1:
         raise ValueError(f"{model} in {dtype} does not fit in {hw.name}'s {hw.mem_bytes / 1e9:.0f} GB")
@@ -94,7 +97,7 @@ def from_hardware(hw: Hardware, config: ModelConfig, model: str, dtype: str, pri
 
 
 def resolve(
-    nodes: list[NodeCount], profiles: list[EngineProfile], config: ModelConfig, model: str, dtype: str
+    nodes: list[NodeCount], profiles: list[EngineProfile], config: ModelConfig, model: str, dtype: str, kv_dtype: str
 ) -> list[NodeKind]:
     by_class, hardware = {p.node_class: p for p in profiles}, known()
     kinds = []
@@ -102,7 +105,7 @@ def resolve(
         if n.name in by_class:
             kinds.append(from_profile(by_class[n.name], n.price, n.count))
         elif n.name in hardware:
-            kinds.append(from_hardware(hardware[n.name], config, model, dtype, n.price, n.count))
+            kinds.append(from_hardware(hardware[n.name], config, model, dtype, kv_dtype, n.price, n.count))
         else:
             raise ValueError(f"node {n.name!r}: no --profile of that node class, and not one of {sorted(hardware)}")
     return kinds

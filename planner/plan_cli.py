@@ -21,7 +21,7 @@ from bench.workloads import MIXES
 from engine.model_files import default_model_path
 from planner.kinds import model_config, parse_nodes, resolve
 from planner.profile import EngineProfile
-from planner.roofline import ModelShape
+from planner.roofline import ModelShape, gpu_kv_dtype
 from planner.search import Handoff, Option, cheapest, max_rate, splits
 from planner.slo import parse_slo
 from planner.trace import Trace, day_curve, synthetic
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="append", default=[], help="a `tandem profile` JSON (repeatable)")
     ap.add_argument("--model", default=None, help="for hardware nodes: a checkpoint or a shape in models.json")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "int8", "fp8"], help="hardware nodes")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp16", "int8", "fp8"],
+                    help="hardware nodes' KV cache (auto: as the engine on a GPU, the activations' dtype)")  # fmt: skip
     ap.add_argument("--transfer-fixed-ms", type=float, default=5.0, help="a P/D hand-off's fixed cost")
     ap.add_argument("--splits", type=int, default=16, help="P:D splits tried per node kind, at most (0: none)")
     ap.add_argument("--json", action="store_true")
@@ -65,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         profiles = [EngineProfile.load(p) for p in args.profile]
         model = args.model or str(default_model_path())
         config = model_config(model)
-        kinds = resolve(nodes, profiles, config, model, args.dtype)
+        kv_dtype = gpu_kv_dtype(args.dtype, args.kv_dtype)
+        kinds = resolve(nodes, profiles, config, model, args.dtype, kv_dtype)
     except (ValueError, OSError, KeyError) as e:
         print(f"tandem plan: {e}", file=sys.stderr)
         return 2
-    kv_dtype = profiles[0].kv_dtype if profiles and not args.model else args.dtype
+    kv_dtype = profiles[0].kv_dtype if profiles and not args.model else kv_dtype
     dtype = profiles[0].dtype if profiles and not args.model else args.dtype
     handoff = Handoff(args.transfer_fixed_ms / 1e3, ModelShape.of(config, dtype, kv_dtype).kv_bytes_per_token)
     report: dict[str, object] = {"requests": len(trace), "rate": trace.rate, "slo": asdict(slo)}

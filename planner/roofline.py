@@ -25,6 +25,15 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
 KV_EXTRA = {"int8": 4, "fp8": 4}  # a coded cache's fp32 scale per token and KV head
 
 
+def gpu_kv_dtype(dtype: str, kv_dtype: str = "auto") -> str:
+    """The KV cache a CUDA engine holds for weights of `dtype`: `auto` is its activations' dtype
+    there, as engine/kv_codec.py resolves it (fp16 under fp16 weights, else bf16: int8 and fp8
+    weights compute in bf16 on a GPU)."""
+    if kv_dtype != "auto":
+        return kv_dtype
+    return "fp16" if dtype == "fp16" else "bf16"
+
+
 @dataclass(frozen=True)
 class ModelShape:
     layers: int

@@ -91,3 +91,22 @@ def test_a_measured_profile_of_the_tiny_model(tiny_model: LlamaModel) -> None:
     assert p.source == "measured" and p.dtype == "fp32" and p.kv_dtype == "fp32"
     engine.check_integrity()
     assert engine.kv.num_requests == 0
+
+
+def test_hardware_nodes_hold_the_kv_cache_the_engine_would_there() -> None:
+    """`auto` on a GPU is what engine/kv_codec.py makes of it for that weight dtype's activations
+    (bf16 under int8 and fp8 weights, not the weights' own one byte), and it sets the room."""
+    import torch
+
+    from engine.kv_codec import KVCodec
+    from planner.kinds import from_hardware, model_config
+    from planner.roofline import gpu_kv_dtype
+
+    for dtype, compute in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("int8", torch.bfloat16),
+                           ("fp8", torch.bfloat16)):  # fmt: skip
+        assert gpu_kv_dtype(dtype) == KVCodec.of("auto", compute, quantized=dtype in ("int8", "fp8")).kind
+    assert gpu_kv_dtype("int8", "int8") == "int8"
+    config, h100 = model_config("llama-3.1-8b"), known()["H100-SXM"]
+    auto = from_hardware(h100, config, "llama-3.1-8b", "int8", gpu_kv_dtype("int8"), 0.0, 1)
+    coded = from_hardware(h100, config, "llama-3.1-8b", "int8", "int8", 0.0, 1)
+    assert auto.worker.kv_tokens < 0.6 * coded.worker.kv_tokens  # 2 bytes a value against 1 and a scale a row
