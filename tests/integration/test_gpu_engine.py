@@ -8,8 +8,6 @@ with a GPU and a CUDA torch wheel; without one it is skipped, and says so.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from engine.engine import Engine
 from engine.model_files import default_model_path
 from engine.sampling_params import SamplingParams
 from tests.integration.test_engine_reference import CHAT, RAW
+from tests.integration.test_long_context import hf_greedy_gaps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -40,21 +39,6 @@ def prompt_ids(engine: Engine, i: int) -> list[int]:
     return tok.encode(text)
 
 
-def hf_greedy_cuda(hf: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens on the GPU, and its top-2 logit gap at each."""
-    tokens, gaps = [], []
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt], device="cuda"), use_cache=True)
-        for _ in range(n):
-            logits = out.logits[0, -1].float()
-            top = logits.topk(2).values
-            nxt = int(logits.argmax())
-            tokens.append(nxt)
-            gaps.append(float(top[0] - top[1]))
-            out = hf(torch.tensor([[nxt]], device="cuda"), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, gaps
-
-
 def test_greedy_matches_hf_on_the_same_gpu(gpu_engine: Engine) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +49,7 @@ def test_greedy_matches_hf_on_the_same_gpu(gpu_engine: Engine) -> None:
     for i in range(len(PROMPTS)):
         ids = prompt_ids(gpu_engine, i)
         ours = gpu_engine.generate([ids], greedy)[0].token_ids
-        theirs, gaps = hf_greedy_cuda(hf, ids, NEW_TOKENS)
+        theirs, gaps = hf_greedy_gaps(hf, ids, NEW_TOKENS, device="cuda")
         first = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
         assert first is None or gaps[first] < NEAR_TIE, (i, first, gaps[first] if first is not None else None)
     gpu_engine.check_integrity()

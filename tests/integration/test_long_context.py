@@ -8,6 +8,7 @@ as test_engine_reference.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,17 +33,20 @@ def long_prompt(engine: Engine, min_tokens: int) -> list[int]:
     return ids + tok.encode("\nNow repeat note 3 word for word:")
 
 
-def hf_greedy_gaps(hf: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """HF's greedy continuation, and its top-2 logit gap at each step."""
+def hf_greedy_gaps(hf: Any, prompt: list[int], n: int, device: str = "cpu") -> tuple[list[int], list[float]]:
+    """HF's greedy continuation, and its top-2 logit gap at each step (also test_gpu_engine's)."""
+    # transformers 5.2x renamed the KV cache's argument and output field `past_key_values` -> `cache`
+    # (the old name warns, and goes in 5.40); this runs on both sides of that.
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     tokens: list[int] = []
     gaps: list[float] = []
     with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        out = hf(torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
         for _ in range(n):
-            top2 = out.logits[0, -1].topk(2)
+            top2 = out.logits[0, -1].float().topk(2)
             tokens.append(int(top2.indices[0]))
             gaps.append(float(top2.values[0] - top2.values[1]))
-            out = hf(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            out = hf(torch.tensor([tokens[-1:]], device=device), use_cache=True, **{name: getattr(out, name)})
     return tokens, gaps
 
 
