@@ -290,9 +290,10 @@ class PoolManager:
     def _kill(self, w: WorkerRecord, why: str) -> None:
         with contextlib.suppress(Exception):
             ray.kill(w.handle)
+        # the event before the entry goes: whoever sees the worker gone from the registry finds why
+        self._emit("worker_down", worker_id=w.worker_id, role=w.role, reason=why)
         with contextlib.suppress(StateUnavailable):  # its entry expires with its heartbeats anyway
             self.state.deregister_worker(w.worker_id)
-        self._emit("worker_down", worker_id=w.worker_id, role=w.role, reason=why)
 
     def _emit(self, kind: str, **fields: str) -> None:
         """Best effort: the event log is for people, and Redis may be away."""
