@@ -8,7 +8,7 @@ On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torc
 read it. The C functions fuse RMSNorm with its residual add, RoPE with the KV-cache write, SiLU
 with its multiply, and attention reads the paged cache in place, split into segments of keys
 over torch's own OpenMP threads (the library links the libgomp torch loaded, so the engine
-loop's thread keeps one team: engine/torch_threads.py); int8 caches are read as codes, bf16 widened.
+loop's thread keeps one team: engine/torch_threads.py); int8 caches are read as codes, bf16 as floats.
 A layer is four matmuls and four C calls. Measured (int8 SmolLM2, 2 cores, alternated in one
 process): a decode step of 1 row 16.4 -> 9.2 ms, of 8 rows 26.7 -> 19.3 ms, of 1 row at 8K
 context 57.8 -> 31.6 ms. With int8 weights the matmuls are linear_i8's: activations quantized

@@ -1,6 +1,6 @@
 /* Decode attention: each decode row's query heads over its own context, read from the paged
  * cache in place (see decode.c for the layouts, engine/native.py for why). fp32 caches, bf16 ones
- * (half the bytes, widened as they are read), and int8 ones (engine/kv_codec.py: per token and kv
+ * (half the bytes, made floats as they are read), and int8 ones (engine/kv_codec.py: per token and kv
  * head, head_dim codes then the fp32 scale), whose codes are scaled as they are read: a quarter
  * of the bytes. The bytes are what bounds long contexts.
  * With AVX-512 the two inner loops run as attention_avx512.h's, with AVX2 alone as
