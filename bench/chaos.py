@@ -13,7 +13,6 @@ after idle. The target is 0 errored, 0 hung and 0 held blocks everywhere.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict
@@ -22,6 +21,7 @@ from bench.chaos_harness import Chaos, ScenarioResult
 from bench.chaos_scenarios import SCENARIOS
 from bench.harness import ready_to_serve, running_cluster, serving
 from bench.harness import unique_namespace as namespace
+from bench.json_out import print_json
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results = run(names, args.quick, args.dtype)
     if args.json:
-        print(json.dumps({"scenarios": [asdict(r) for r in results], "elapsed_s": time.monotonic() - t0}))
+        print_json({"scenarios": [asdict(r) for r in results], "elapsed_s": time.monotonic() - t0})
         return 0
     print(table(results))
     for r in results:

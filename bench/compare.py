@@ -35,6 +35,7 @@ from bench.harness import (
     serving,
     unique_namespace,
 )
+from bench.json_out import print_json
 from bench.loadgen import Target, first_model
 from bench.sweep import Unloaded, probe, sweep
 from bench.workloads import MIXES, LengthDist, Mix
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         files = [*write_plots(res, measured, out), str(out / "compare.json")]
         (out / "compare.json").write_text(json.dumps({**res, "meta": meta, "files": files}, indent=2))
     if args.json:
-        print(json.dumps({**res, "meta": meta, "files": files}))
+        print_json({**res, "meta": meta, "files": files})
     else:
         print_report(res, meta)
         print(f"took {meta['elapsed_s']:.0f} s" + (f"; wrote {', '.join(files)}" if files else ""))

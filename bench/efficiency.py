@@ -61,6 +61,7 @@ from bench.harness import (
     serving,
     unique_namespace,
 )
+from bench.json_out import print_json
 from bench.loadgen import Target, first_model, run_load
 from bench.stats import SLO, summarize
 from bench.workloads import WorkItem, words
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "efficiency.json").write_text(json.dumps(res, indent=2))
     if args.json:
-        print(json.dumps(res))
+        print_json(res)
     else:
         print_report(res)
         print(f"took {res['elapsed_s']:.0f} s" + (f"; wrote {Path(args.out) / 'efficiency.json'}" if args.out else ""))

@@ -4,7 +4,6 @@ dtype, threads, prompts."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from bench import peers
+from bench.json_out import print_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     res_meta = {"dtype": dtype_name, "kv_dtype": engine.cache.codec.kind, "threads": args.threads, "peer": args.peer,
                 "device": str(engine.cache.device)}  # fmt: skip
     if args.json:
-        print(json.dumps(res_meta | {k: round(v, 2) if v is not None else None for k, v in res.items()}))
+        print_json(res_meta | {k: round(v, 2) if v is not None else None for k, v in res.items()})
     else:
         print(f"engine bench: {dtype_name} on {engine.cache.device}, KV {engine.cache.codec.kind}, {args.threads} "
               f"threads, model {path} "

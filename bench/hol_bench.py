@@ -15,11 +15,11 @@ long prompt's alone time, capped over uncapped, is the cost (`long_alone_ratio`)
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
+from bench.json_out import print_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     if args.json:
-        print(json.dumps(result, indent=2))
+        print_json(result, indent=2)
         return 0
     print(f"{SHORT}-token prompt behind a long one, {config.weight_dtype}, {args.threads} thread(s), cap {cap}:")
     print("| long prompt | short TTFT uncapped | capped | ratio | long alone uncapped | capped | ratio |")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import FULL, MIX_SEED_STRIDE, QUICK
+from bench.json_out import json_only, print_json
 from bench.loadgen import arrivals
 from bench.stats import max_rate_meeting
 from bench.sweep import PROBE_SALT
@@ -167,7 +168,8 @@ def _profiles(args: argparse.Namespace, out: Path) -> dict[int, EngineProfile]:
     for threads, path in paths.items():
         if path is None:
             paths[threads] = str(out / f"profile-{threads}t.json")
-            profile_main(["--threads", str(threads), "--transports", "grpc", "--out", paths[threads], "--json"])
+            with json_only():  # its report goes to stderr, not into this command's JSON
+                profile_main(["--threads", str(threads), "--transports", "grpc", "--out", paths[threads], "--json"])
     return {t: EngineProfile.load(p) for t, p in paths.items() if p is not None}
 
 
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_scale:
         report["sim_1000_workers_s"] = scale_seconds()
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
         return 0
     _print(rows, report)
     return 0
@@ -213,7 +215,8 @@ def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> li
         from bench.compare import main as compare_main
 
         mixes = [a for m in VALIDATED for a in ("--mix", m)]
-        compare_main(["--quick", *mixes, "--out", str(out), "--no-progress", "--json"])
+        with json_only():
+            compare_main(["--quick", *mixes, "--out", str(out), "--no-progress", "--json"])
         compare = json.loads((out / "compare.json").read_text())
     rows = replay(compare, _profiles(args, out), Tokenizer.load(default_model_path()))
     points = [{"mix": r.mix, "system": r.system, "measured_rps": r.measured, "simulated_rps": r.simulated,

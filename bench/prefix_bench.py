@@ -36,6 +36,7 @@ from bench.harness import (
     unique_namespace,
     wait_pools,
 )
+from bench.json_out import print_json
 from bench.loadgen import Target, first_model, run_load
 from bench.stats import SLO, RequestResult, distribution, hit_rate
 from bench.workloads import MIXES, Mix, make_items
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         res["files"] = [str(png), str(out / "prefix.json")]
         (out / "prefix.json").write_text(json.dumps(res, indent=2))
     if args.json:
-        print(json.dumps(res))
+        print_json(res)
         return 0
     print(f"multi-turn chat ({plan.requests} requests, closed loop x{plan.concurrency}), 1 thread per worker")
     print(f"  follow-up TTFT, median: caching on {_s(res['cached_ttft_s'])}, off {_s(res['cold_ttft_s'])}")

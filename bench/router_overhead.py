@@ -18,7 +18,6 @@ fixed cost        one request at a time, a ~40-token chat prompt: TTFT on the P/
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from bench.harness import exit_on_sigterm, running_cluster, serving, unique_namespace, uvicorn_thread, wait_pools
+from bench.json_out import print_json
 from bench.null_backend import BareApp, NullBackend
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.outputs import Placement
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 res |= measure(cluster, url, args.concurrency, args.rounds)
             res |= fixed_cost(cluster, args.fixed_rounds)
     if args.json:
-        print(json.dumps({k: round(v, 3) for k, v in res.items()}))
+        print_json({k: round(v, 3) for k, v in res.items()})
         return 0
     if args.null_rounds > 0:
         _print_null(res, args.null_rounds)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import plots
+from bench.json_out import print_json
 from bench.loadgen import Target, first_model, run_load
 from bench.stats import SLO, RequestResult, summarize
 from bench.workloads import MIXES, WorkItem, load_jsonl, make_items
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     files = write(res, Path(args.out)) if args.out else []
     public = {k: v for k, v in res.items() if not k.startswith("_")}
     if args.json:
-        print(json.dumps({**public, "files": files}))
+        print_json({**public, "files": files})
     else:
         print_report(public)
         if files:

@@ -22,11 +22,11 @@ Workloads (chat prompts, the model's template):
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bench.json_out import print_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             engines, chat_prompts(base, mixed), args.max_tokens // 2, args.staggered, args.repeats
         )
     if args.json:
-        print(json.dumps(res))
+        print_json(res)
         return 0
     print(f"speculative decoding ({args.drafter}) vs off, {res['dtype']}, {args.threads} threads, greedy")
     print(f"{'workload':<11}{'single off':>11}{'on':>8}{'ratio':>7}{'batch16 off':>13}{'on':>8}{'ratio':>7}"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import socket
 import threading
@@ -32,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench.json_out import print_json
 from bench.transfer_peer import LINK_TIMEOUT_S, DecodePeer
 from bench.transfer_ttft import TTFT_KEYS, TTFT_TOKENS, measure_ttft
 from engine.config import EngineConfig
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "collective_skipped": skipped or None,
     }
     if args.json:
-        print(json.dumps(meta | {k: round(v, 4) if v is not None else None for k, v in res.items()}))
+        print_json(meta | {k: round(v, 4) if v is not None else None for k, v in res.items()})
     else:
         print_table(res, meta)
     return 0

@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.parse_args(argv)
         return 2
     fn, _ = COMMANDS[argv[0]]
-    return fn(argv[1:])
+    if "--json" not in argv:
+        return fn(argv[1:])
+    from bench.json_out import json_only
+
+    with json_only():  # stdout: the command's one JSON object, whatever else prints meanwhile
+        return fn(argv[1:])
 
 
 if __name__ == "__main__":

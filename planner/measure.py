@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from bench.engine_bench import ours
+from bench.json_out import print_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         }
     if args.json:
-        print(json.dumps(report | {"measured": json.loads(profile.to_json())}))
+        print_json(report | {"measured": json.loads(profile.to_json())})
     else:
         _print(profile, report)
     return 0

@@ -13,10 +13,10 @@ kind (colocated) and of each pair of kinds (prefill, decode) meeting the SLOs, c
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 
+from bench.json_out import print_json
 from bench.workloads import MIXES
 from engine.model_files import default_model_path
 from planner.kinds import model_config, parse_nodes, resolve
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cheap = cheapest(priced, trace, slo, handoff) if priced else []
     report["cheapest"] = [asdict(o) for o in cheap]
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
         return 0
     print(f"trace: {len(trace)} requests, {trace.rate:.2f}/s; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms; "
           f">= 90% must meet it")  # fmt: skip
