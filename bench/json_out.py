@@ -4,7 +4,7 @@ While a command runs under `json_only()`, whatever else prints to stdout goes to
 writes its workers' errors ("(raylet) A worker died ...") to the driver's stdout from a thread
 of its own, and a benchmark that runs another command (the planner runs `tandem profile` and
 `tandem bench compare`) would print that one's JSON too. `print_json` writes to the stdout the
-innermost `json_only()` found, so a sub-command's object goes where its other output goes.
+innermost `json_only()` found; a sub-command runs under `sub_command()`, all of it on stderr.
 """
 
 from __future__ import annotations
@@ -34,3 +34,10 @@ def print_json(obj: Any, indent: int | None = None) -> None:
     """`obj` as one JSON document, on the innermost `json_only()`'s stdout (else on stdout)."""
     out = _streams[-1] if _streams else sys.stdout
     print(json.dumps(obj, indent=indent), file=out, flush=True)
+
+
+@contextlib.contextmanager
+def sub_command() -> Iterator[None]:
+    """Everything a command run by another prints, its `print_json` too, on stderr."""
+    with contextlib.redirect_stdout(sys.stderr), json_only():
+        yield

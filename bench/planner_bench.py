@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import FULL, MIX_SEED_STRIDE, QUICK
-from bench.json_out import json_only, print_json
+from bench.json_out import print_json, sub_command
 from bench.loadgen import arrivals
 from bench.stats import max_rate_meeting
 from bench.sweep import PROBE_SALT
@@ -168,7 +168,7 @@ def _profiles(args: argparse.Namespace, out: Path) -> dict[int, EngineProfile]:
     for threads, path in paths.items():
         if path is None:
             paths[threads] = str(out / f"profile-{threads}t.json")
-            with json_only():  # its report goes to stderr, not into this command's JSON
+            with sub_command():  # its report goes to stderr, not into this command's JSON
                 profile_main(["--threads", str(threads), "--transports", "grpc", "--out", paths[threads], "--json"])
     return {t: EngineProfile.load(p) for t, p in paths.items() if p is not None}
 
@@ -215,7 +215,7 @@ def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> li
         from bench.compare import main as compare_main
 
         mixes = [a for m in VALIDATED for a in ("--mix", m)]
-        with json_only():
+        with sub_command():
             compare_main(["--quick", *mixes, "--out", str(out), "--no-progress", "--json"])
         compare = json.loads((out / "compare.json").read_text())
     rows = replay(compare, _profiles(args, out), Tokenizer.load(default_model_path()))

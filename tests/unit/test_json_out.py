@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from bench.json_out import json_only, print_json
+from bench.json_out import json_only, print_json, sub_command
 from cli.main import main
 
 
@@ -18,12 +18,21 @@ def test_print_json_alone_on_stdout_while_threads_and_sub_commands_print(capsys:
         t = threading.Thread(target=print, args=("(raylet) A worker died",))  # Ray prints from a thread
         t.start()
         t.join()
-        with json_only():  # a sub-command asked for its own --json
+        with sub_command():  # a command run by this one, asked for its own --json
             print_json({"inner": 1})
         print_json({"outer": 1})
     out, err = capsys.readouterr()
     assert json.loads(out) == {"outer": 1}
     assert "before" in err and "(raylet)" in err and json.loads(err.splitlines()[-1]) == {"inner": 1}
+
+
+def test_a_sub_command_prints_on_stderr_outside_json_only_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with sub_command():  # the planner's own main, called as a function
+        print("report")
+        print_json({"inner": 1})
+    print_json({"outer": 1})
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"outer": 1} and err.splitlines() == ["report", '{"inner": 1}']
 
 
 def test_print_json_without_json_only_is_a_plain_print(capsys: pytest.CaptureFixture[str]) -> None:
