@@ -15,7 +15,11 @@ sizes to set now, with the reasons. Plain values in and out: no clock, no Ray, n
     trade      with `max_pd` (fixed hardware: prefill + decode at most that many), a pool
                grows by taking a worker from the other, whose SLO must be met and which must
                stay within its min; the pool manager then flips that worker in place. The
-               giving pool does not wait out `down_after`: capacity moves, none is shed.
+               giving pool does not wait out `down_after`: capacity moves, none is shed. But
+               a worker flips back to the pool it just left only after `down_after` windows
+               in a row ask for it: windows of a few requests miss one SLO and then the other
+               by chance (one late request of 8 is 88%), and each flip costs a drain (a load
+               step on a 2-core machine flipped one worker three times in 20 s).
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class Memory:
 
     last_change_s: float | None = None
     lower_in_a_row: Mapping[str, int] = field(default_factory=dict)
+    flipped_to: str | None = None  # the pool a worker flipped to at the last change
+    back_in_a_row: int = 0  # windows in a row that asked to flip a worker back out of it
 
 
 @dataclass(frozen=True)
@@ -110,46 +116,67 @@ def decide(
         sizes[role] = have + step
         reasons.append(f"{role}: {have} -> {have + step} (planned {want.get(role, 0)}, bounds "
                        f"{bounds.min.get(role, 0)}..{bounds.max.get(role, '-')})")  # fmt: skip
+    back = 0
     if bounds.max_pd is not None:
         sizes.setdefault("prefill", 0)
         sizes.setdefault("decode", 0)
-        _trade(sizes, current, _short_roles(current, window, bounds) if missing else [], bounds, reasons)
+        short = _short_roles(current, window, bounds) if missing else []
+        back = _trade(sizes, current, short, bounds, memory, reasons)
     changed = sizes != dict(current)
     if changed and memory.last_change_s is not None and now_s - memory.last_change_s < bounds.cooldown_s:
         wait = bounds.cooldown_s - (now_s - memory.last_change_s)
         return Decision(dict(current), (*reasons, f"cooldown: {wait:.0f} s left, no change"), False), replace(
-            memory, lower_in_a_row=lower
+            memory, lower_in_a_row=lower, back_in_a_row=back
         )
     if changed:
         lower = {r: 0 if sizes[r] != current.get(r, 0) else lower[r] for r in ROLES}
-        memory = Memory(now_s, lower)
+        memory = Memory(now_s, lower, _flipped_to(sizes, current))
     else:
-        memory = replace(memory, lower_in_a_row=lower)
+        memory = replace(memory, lower_in_a_row=lower, back_in_a_row=back)
     return Decision(sizes, tuple(reasons), changed), memory
 
 
-def _trade(sizes: dict[str, int], current: Mapping[str, int], short: list[str], bounds: Bounds,
-           reasons: list[str]) -> None:  # fmt: skip
+def _trade(sizes: dict[str, int], current: Mapping[str, int], short: list[str], bounds: Bounds, memory: Memory,
+           reasons: list[str]) -> int:  # fmt: skip
     """Keep prefill + decode within `bounds.max_pd` where a pool grows: the other gives a worker
-    (one flips) if its SLO is met and it stays within its min, else the growth is held."""
+    (one flips) if its SLO is met and it stays within its min, and, if a worker flipped to it at
+    the last change, once `down_after` windows in a row asked; else the growth is held. Returns
+    the windows in a row that asked to flip one back (0 if this one did not)."""
     assert bounds.max_pd is not None
+    back = 0
     for grow, give in (("decode", "prefill"), ("prefill", "decode")):
         while (
             sizes.get(grow, 0) > current.get(grow, 0)
             and sizes.get("prefill", 0) + sizes.get("decode", 0) > bounds.max_pd
         ):
-            if (
+            can_give = (
                 give not in short
                 and sizes.get(give, 0) > bounds.min.get(give, 0)
                 and sizes.get(give, 0) >= current.get(give, 0)
-            ):
+            )
+            if can_give and give == memory.flipped_to:
+                back = memory.back_in_a_row + 1
+            if can_give and (give != memory.flipped_to or back >= bounds.down_after):
                 sizes[give] -= 1
                 reasons.append(f"{give}: {sizes[give] + 1} -> {sizes[give]}, a worker flips to {grow} "
                                f"(prefill + decode at most {bounds.max_pd})")  # fmt: skip
+            elif can_give:
+                sizes[grow] -= 1
+                reasons.append(f"{grow}: held at {sizes[grow]}: a worker flipped to {give} at the last change; "
+                               f"back after {bounds.down_after} windows in a row ask ({back} so far)")  # fmt: skip
             else:
                 sizes[grow] -= 1
                 reasons.append(f"{grow}: held at {sizes[grow]}, prefill + decode at most {bounds.max_pd} and "
                                f"{give} cannot give one")  # fmt: skip
+    return back
+
+
+def _flipped_to(sizes: Mapping[str, int], current: Mapping[str, int]) -> str | None:
+    """The pool a worker moves to between `current` and `sizes` (one grows as the other shrinks)."""
+    for to, away in (("decode", "prefill"), ("prefill", "decode")):
+        if sizes.get(to, 0) > current.get(to, 0) and sizes.get(away, 0) < current.get(away, 0):
+            return to
+    return None
 
 
 def _short_roles(current: Mapping[str, int], window: Window, bounds: Bounds) -> list[str]:

@@ -105,3 +105,27 @@ def test_on_fixed_hardware_a_pool_grows_by_taking_a_worker_from_the_other() -> N
     assert not d.changed, "decode is at its max"
     d, _ = decide(0, two_p, {"prefill": 1, "decode": 2}, GOOD, fixed, Memory())
     assert d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}, "a plan that trades a worker does so at once"
+
+
+def test_a_flipped_worker_flips_back_only_after_down_after_windows_in_a_row() -> None:
+    fixed = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=3, cooldown_s=10,
+                   down_after=3)  # fmt: skip
+    slow_first = Window(5, 8, 0.875, 1.0)  # one late first token of 8
+    d, mem = decide(0, {"prefill": 2, "decode": 1, "colocated": 0}, None, SLOW_DECODE, fixed, Memory())
+    assert d.sizes == {"prefill": 1, "decode": 2, "colocated": 0} and mem.flipped_to == "decode"
+    sizes = d.sizes
+    for t, back in ((15, 1), (20, 2)):  # past the cooldown: only the flip-back rule holds it
+        d, mem = decide(t, sizes, None, slow_first, fixed, mem)
+        assert not d.changed and mem.back_in_a_row == back, t
+        assert any(f"prefill: held at 1: a worker flipped to decode at the last change; back after 3 windows in a "
+                   f"row ask ({back} so far)" in r for r in d.reasons)  # fmt: skip
+    d, mem = decide(25, sizes, None, GOOD, fixed, mem)
+    assert not d.changed and mem.back_in_a_row == 0, "a window that asks nothing starts the count again"
+    for t in (30, 35):
+        d, mem = decide(t, sizes, None, slow_first, fixed, mem)
+        assert not d.changed
+    d, mem = decide(40, sizes, None, slow_first, fixed, mem)
+    assert d.sizes == {"prefill": 2, "decode": 1, "colocated": 0}, "the third window in a row flips it back"
+    assert mem.flipped_to == "prefill" and mem.back_in_a_row == 0 and mem.last_change_s == 40
+    d, mem = decide(45, d.sizes, None, SLOW_DECODE, fixed, mem)
+    assert not d.changed and mem.back_in_a_row == 1, "and the same holds the other way"
