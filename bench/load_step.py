@@ -7,7 +7,8 @@ from the step to recovery (every window from then on at >= 90%; None: not within
 
 The SLO is one for both mixes, as the autoscaler keeps one: 5x the larger unloaded TTFT of the
 two classes and 2x the larger unloaded TPOT, probed on the static cluster and used for both runs.
-Rates are multiples of each mix's one-at-a-time rate (1 / its unloaded E2E): `--before`, `--after`.
+Rates are multiples of each mix's one-at-a-time rate (1 / its unloaded E2E): `--step-before`,
+`--step-after`.
 """
 
 from __future__ import annotations

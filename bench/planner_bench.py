@@ -182,9 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,000-worker, 1M-request timing")
     ap.add_argument("--load-step", action="store_true", help="also the autoscaler's load step (live, minutes)")
     ap.add_argument("--no-validation", action="store_true", help="skip the replay of a compare")
+    ap.add_argument("--step-before", type=float, help="the load step's rate before it, x the prefill-heavy mix's "
+                    "one-at-a-time rate (default 0.7)")  # fmt: skip
+    ap.add_argument("--step-after", type=float, help="and after, x the decode-heavy mix's (default 3; lower it on a "
+                    "machine whose SLO the step overloads)")  # fmt: skip
     ap.add_argument("--out", default="out/bench/planner", help="directory for the load step's plot")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if any(x is not None and x <= 0 for x in (args.step_before, args.step_after)):
+        ap.error(f"--step-before and --step-after must be positive (got {args.step_before}, {args.step_after})")
     out = Path(tempfile.mkdtemp(prefix="tandem-bench-planner-"))
     report: dict[str, Any] = {"points": [], "sim_error_max": None, "attainment_error_mean": None,
                               "recovery_s_static": None, "recovery_s_autoscale": None}  # fmt: skip
@@ -192,10 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_validation:
         rows = _validate(args, out, report)
     if args.load_step:
-        from bench.load_step import measure
+        from bench.load_step import StepPlan, measure
         from bench.plots import attainment_timeline
 
-        step = measure()
+        plan = StepPlan()
+        before = plan.before_x if args.step_before is None else args.step_before
+        after = plan.after_x if args.step_after is None else args.step_after
+        step = measure(replace(plan, before_x=before, after_x=after))
         report |= step
         lines = {m: step[f"timeline_{m}"] for m in ("static", "autoscale")}
         report["files"] = [str(attainment_timeline(lines, step["step_s"], Path(args.out) / "load_step.png"))]

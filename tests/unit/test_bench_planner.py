@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from bench.compare import QUICK
-from bench.planner_bench import replay
+from bench.planner_bench import main, replay
 from engine.tokenizer import Tokenizer
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint
 
@@ -56,3 +58,9 @@ def test_the_load_steps_timeline_and_recovery_time() -> None:
     assert recovery_s(line, step_s=20.0) == 0.0, "nothing missed after the step"
     assert recovery_s([*line, (30.0, None), (35.0, 0.5)], step_s=10.0) is None, "the run ends missing"
     assert recovery_s([(0.0, 1.0), (5.0, None), (10.0, 1.0)], step_s=5.0) == 5.0, "empty windows are skipped"
+
+
+def test_load_step_rates_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:  # refused before any cluster starts
+        main(["--load-step", "--no-validation", "--no-scale", "--step-after", "0"])
+    assert e.value.code == 2 and "must be positive (got None, 0.0)" in capsys.readouterr().err
