@@ -3,14 +3,18 @@
     tandem:{ns}:autoscale:leader    string  the deciding router's id; PEXPIRE = its lease
     tandem:{ns}:autoscale:windows   list    JSON windows of the routers standing by, oldest first;
                                             EXPIRE = a few intervals (no leader reads them)
-    tandem:{ns}:autoscale:changed   string  wall-clock seconds of the last change of sizes, so that
-                                            a router that takes the lead over keeps the cooldown
+    tandem:{ns}:autoscale:changed   string  JSON of the last change of sizes (LastChange: wall-clock
+                                            seconds, the pool a worker flipped to, the router), so
+                                            that a router that takes the lead over keeps the
+                                            cooldown and the flip-back hysteresis
 
 router/window_share.py says what goes in them and why.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import cast
 
 from cluster.state_store import StateStore, unavailable_as_state_error
@@ -23,6 +27,15 @@ if holder then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+
+
+@dataclass(frozen=True)
+class LastChange:
+    """The autoscaler's last change of sizes."""
+
+    at_s: float  # wall-clock seconds in the store; a WindowShare gives them on its reader's monotonic clock
+    flipped_to: str | None = None  # the pool a worker flipped to with it (planner.autoscale.Memory)
+    by: str = ""  # the id of the router that decided it
 
 
 class AutoscaleStore(StateStore):
@@ -53,11 +66,18 @@ class AutoscaleStore(StateStore):
         return cast("list[str]", got)
 
     @unavailable_as_state_error
-    def set_last_change(self, wall_s: float) -> None:
-        self._r.set(self.key("autoscale", "changed"), repr(wall_s))
+    def set_last_change(self, change: LastChange) -> None:
+        payload = {"at_s": change.at_s, "flipped_to": change.flipped_to, "by": change.by}
+        self._r.set(self.key("autoscale", "changed"), json.dumps(payload))
 
     @unavailable_as_state_error
-    def last_change(self) -> float | None:
-        """Wall-clock seconds of the autoscaler's last change of sizes, by any router; None if none."""
+    def last_change(self) -> LastChange | None:
+        """The autoscaler's last change of sizes, by any router (wall clock); None if none. A bare
+        number (what routers before the flip was kept wrote) is a change with no flip, by nobody known."""
         got = self._r.get(self.key("autoscale", "changed"))
-        return None if got is None else float(got)
+        if got is None:
+            return None
+        d = json.loads(got)
+        if isinstance(d, int | float):
+            return LastChange(float(d))
+        return LastChange(float(d["at_s"]), d.get("flipped_to"), str(d.get("by", "")))

@@ -13,7 +13,6 @@ no lock is held across those calls. With several routers, one decides over all t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import statistics
@@ -84,8 +83,8 @@ class Autoscaler:
                 return None
             taken = merged(taken, self.share.collect())
             last = self.share.last_change()  # another router's, if it led before this one
-            if last is not None and (self.memory.last_change_s is None or last > self.memory.last_change_s):
-                self.memory = dataclasses.replace(self.memory, last_change_s=last)
+            if last is not None and (self.memory.last_change_s is None or last.at_s > self.memory.last_change_s):
+                self.memory = Memory(last.at_s, self.memory.lower_in_a_row, last.flipped_to)
         status = self.backend.status()
         desired = status.get("desired", {})
         current: dict[str, int] = {r: int(desired.get(r, 0)) for r in ROLES}
@@ -108,7 +107,7 @@ class Autoscaler:
         if decision.changed:  # together: one pool down and the other up is a role flip, not a drain and a start
             self.backend.scale({r: decision.sizes[r] for r in ROLES if decision.sizes[r] != current[r]})
             if self.share is not None and self.memory.last_change_s is not None:
-                self.share.changed(self.memory.last_change_s)
+                self.share.changed(self.memory.last_change_s, self.memory.flipped_to)
         held = any("hold" in r or "cooldown" in r for r in decision.reasons)
         if decision.changed or held:
             sizes = {r: decision.sizes[r] for r in ROLES}

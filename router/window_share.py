@@ -6,8 +6,9 @@ other's. So one router decides: the one holding a lease in Redis (three interval
 every interval; when it dies, another takes it within a lease). The others publish their window
 every interval instead of deciding, and the deciding one plans over its own window merged with
 theirs. Arrival times travel as wall-clock seconds and come back on the reader's monotonic clock.
-So does the time of the last change of sizes: a router that takes the lead over from one that
-died keeps its cooldown instead of changing the sizes again at once.
+So does the last change of sizes: a router that takes the lead over from one that died keeps
+its cooldown instead of changing the sizes again at once, and knows which pool a worker was just
+flipped to, so as not to flip it straight back (planner/autoscale.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import json
 import math
 import time
 import uuid
+from dataclasses import replace
 from typing import Protocol
 
-from cluster.autoscale_store import AutoscaleStore
+from cluster.autoscale_store import AutoscaleStore, LastChange
 from router.window import Sample, Taken
 
 LEASE_INTERVALS = 3  # the lease outlives two missed rounds of its holder
@@ -38,12 +40,14 @@ class WindowShare(Protocol):
         """The other routers' windows published since the last collect."""
         ...
 
-    def changed(self, at: float) -> None:
-        """The sizes were changed at `at` (this router's monotonic clock)."""
+    def changed(self, at: float, flipped_to: str | None) -> None:
+        """This router changed the sizes at `at` (its monotonic clock), flipping a worker to
+        `flipped_to` (None: no flip)."""
         ...
 
-    def last_change(self) -> float | None:
-        """When any router last changed the sizes, on this router's monotonic clock; None if never."""
+    def last_change(self) -> LastChange | None:
+        """The last change of sizes, if another router made it (on this router's monotonic
+        clock); None if none, or if this router's own was the last."""
         ...
 
 
@@ -87,12 +91,14 @@ class RedisWindowShare:
         offset = _wall_minus_mono()
         return [decode(p, offset) for p in self.store.pop_windows()]
 
-    def changed(self, at: float) -> None:
-        self.store.set_last_change(at + _wall_minus_mono())
+    def changed(self, at: float, flipped_to: str | None) -> None:
+        self.store.set_last_change(LastChange(at + _wall_minus_mono(), flipped_to, self.owner))
 
-    def last_change(self) -> float | None:
-        wall = self.store.last_change()
-        return None if wall is None else wall - _wall_minus_mono()
+    def last_change(self) -> LastChange | None:
+        last = self.store.last_change()
+        if last is None or last.by == self.owner:
+            return None
+        return replace(last, at_s=last.at_s - _wall_minus_mono())
 
 
 def _wall_minus_mono() -> float:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from cluster.autoscale_store import LastChange
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import ClusterState, StateUnavailable
 from router.window import Sample, Taken
@@ -170,12 +171,24 @@ def test_one_router_holds_the_autoscalers_lease_and_reads_the_others_windows(sta
     assert abs(got[0].samples[0].arrival - time.monotonic()) < 5  # back on this process's clock
     assert a.collect() == []
     assert a.last_change() is None
-    a.changed(time.monotonic() - 7.0)  # its last change of sizes, which the next leader's cooldown counts from
+    a.changed(time.monotonic() - 7.0, "decode")  # its last change of sizes: the next leader's cooldown counts
+    assert a.last_change() is None  # from there, and it knows a worker flipped to decode; a's own is not news to a
     # its holder stops renewing (a router that died): the other takes over within a lease (0.3 s)
     until(b.lead, 2.0, "the lease passing to the other router")
     assert not a.lead()
     last = b.last_change()
-    assert last is not None and abs(time.monotonic() - last - 7.0) < 1.0
+    assert last is not None and abs(time.monotonic() - last.at_s - 7.0) < 1.0
+    assert (last.flipped_to, last.by) == ("decode", "a")
+
+
+def test_a_last_change_written_as_a_bare_number_reads_as_one_without_a_flip(
+    state: ClusterState, server: EmbeddedRedis
+) -> None:
+    """What a router from before the flip was kept wrote, read by a newer one (a rolling upgrade)."""
+    redis.Redis.from_url(server.url).set(state.key("autoscale", "changed"), repr(1733000000.5))
+    last = state.last_change()
+    assert last == LastChange(1733000000.5, None, "")
+    assert RedisWindowShare(state, interval_s=0.1, owner="b").last_change() is not None
 
 
 def test_events_order_and_paging(state: ClusterState) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from fastapi.testclient import TestClient
 
+from cluster.autoscale_store import LastChange
 from engine.tokenizer import Tokenizer
 from planner.autoscale import Bounds
 from planner.slo import SLO
@@ -41,7 +42,7 @@ class Shares:
     def __init__(self) -> None:
         self.holder = ""
         self.windows: list[Taken] = []
-        self.last_change: float | None = None  # one clock for every router here
+        self.last_change: LastChange | None = None  # one clock for every router here
 
     def of(self, owner: str) -> Share:
         return Share(self, owner)
@@ -62,20 +63,28 @@ class Share:
         got, self.shares.windows = self.shares.windows, []
         return got
 
-    def changed(self, at: float) -> None:
-        self.shares.last_change = at
+    def changed(self, at: float, flipped_to: str | None) -> None:
+        self.shares.last_change = LastChange(at, flipped_to, self.owner)
 
-    def last_change(self) -> float | None:
-        return self.shares.last_change
+    def last_change(self) -> LastChange | None:
+        last = self.shares.last_change
+        return None if last is None or last.by == self.owner else last
+
+
+MISSES_TPOT = SLO(ttft_s=5.0, tpot_s=0.005)  # the fake backend's tokens come 20 ms apart
+BOUNDS = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 3, "decode": 3}, cooldown_s=60)
 
 
 def router(
-    backend: FakeBackend, share: Share, clock: Callable[[], float] = lambda: 1000.0
+    backend: FakeBackend,
+    share: Share,
+    clock: Callable[[], float] = lambda: 1000.0,
+    slo: SLO = MISSES_TPOT,
+    bounds: Bounds = BOUNDS,
 ) -> tuple[TestClient, Autoscaler]:
     c = client(backend)
     window: LoadWindow = c.app.state.dispatcher.window  # type: ignore[attr-defined]
-    bounds = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 3, "decode": 3}, cooldown_s=60)
-    config = AutoscaleConfig(SLO(ttft_s=5.0, tpot_s=0.005), bounds, 1.0)
+    config = AutoscaleConfig(slo, bounds, 1.0)
     return c, Autoscaler(backend, window, config, clock=clock, share=share)
 
 
@@ -120,3 +129,33 @@ def test_a_router_that_takes_the_lead_over_keeps_the_cooldown(smollm_tokenizer: 
         assert second.post(CHAT, json=body).status_code == 200
     d = successor.tick()
     assert d is not None and d.changed and backend.desired == {"prefill": 1, "decode": 3}
+
+
+def test_a_router_that_takes_the_lead_over_does_not_flip_a_worker_straight_back(smollm_tokenizer: Tokenizer) -> None:
+    """On fixed hardware (pd=3) the deciding router flips a worker prefill -> decode, then dies.
+    Its successor's windows now miss TTFT: it holds the flip back until 3 windows in a row ask,
+    as the router that flipped it would have, instead of flipping it back at once."""
+    backend = FakeBackend(smollm_tokenizer, token_delay_s=0.02, desired={"prefill": 2, "decode": 1})
+    bounds = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, cooldown_s=0, max_pd=3)
+    shares = Shares()
+    first, leader = router(backend, shares.of("a"), bounds=bounds)
+    # the successor's SLO misses TTFT and meets TPOT: it stands in for traffic turned prefill-heavy
+    second, successor = router(backend, shares.of("b"), slo=SLO(ttft_s=0.005, tpot_s=5.0), bounds=bounds)
+    body = {"model": "fake-model", "messages": HELLO, "max_tokens": 4}
+    for _ in range(4):
+        assert first.post(CHAT, json=body).status_code == 200
+    d = leader.tick()
+    assert d is not None and d.changed and backend.desired == {"prefill": 1, "decode": 2}
+    assert shares.last_change == LastChange(1000.0, "decode", "a")
+    shares.holder = ""  # its lease lapsed
+    for n in (1, 2):
+        for _ in range(4):
+            assert second.post(CHAT, json=body).status_code == 200
+        d = successor.tick()
+        assert d is not None and not d.changed and backend.desired == {"prefill": 1, "decode": 2}
+        assert any(f"back after 3 windows in a row ask ({n} so far)" in r for r in d.reasons), d.reasons
+    for _ in range(4):
+        assert second.post(CHAT, json=body).status_code == 200
+    d = successor.tick()
+    assert d is not None and d.changed and backend.desired == {"prefill": 2, "decode": 1}, d.reasons
+    assert shares.last_change == LastChange(1000.0, "prefill", "b")
