@@ -64,3 +64,29 @@ def test_load_step_rates_must_be_positive(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as e:  # refused before any cluster starts
         main(["--load-step", "--no-validation", "--no-scale", "--step-after", "0"])
     assert e.value.code == 2 and "must be positive (got None, 0.0)" in capsys.readouterr().err
+
+
+def test_the_load_steps_rates_sit_where_the_flip_decides(smollm_tokenizer: Tokenizer) -> None:
+    from bench.step_rates import BEFORE_SHARE, Sizes, StepRates, step_rates
+    from bench.sweep import Unloaded
+    from engine.model_files import default_model_path
+    from planner.kinds import model_config
+    from planner.slo import SLO
+
+    before, after = QUICK.mixes["prefill_heavy"], QUICK.mixes["decode_heavy"]
+    probes = {m.name: Unloaded(0.01, 0.005, 0.5) for m in (before, after)}  # under the toy's: no scaling
+    config, slo = model_config(str(default_model_path())), SLO(1.0, 0.03)
+
+    def rates(scale: float) -> StepRates:
+        return step_rates(profile(scale), config, 512 * 16, Sizes(2, 1), (before, after), probes, 0, 3, slo,
+                          smollm_tokenizer)  # fmt: skip
+
+    r = rates(1.0)
+    assert r.after_static_rps > 0 and r.flip_gain > 1.2, "a second decode worker holds more of the decode-heavy mix"
+    assert r.after_rps == pytest.approx((r.after_static_rps * r.after_flipped_rps) ** 0.5)
+    assert r.after_static_rps < r.after_rps < r.after_flipped_rps
+    assert r.before_rps == BEFORE_SHARE * r.before_held_rps
+    faster = rates(0.8)
+    assert faster.after_rps > r.after_rps and faster.before_rps > r.before_rps, "rates follow the machine's speed"
+    with pytest.raises(RuntimeError, match="no step to take"):
+        rates(50.0)  # not one request a second meets the SLO
