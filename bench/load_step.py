@@ -7,10 +7,10 @@ from the step to recovery (every window from then on at >= 90%; None: not within
 
 The SLO is one for both mixes, as the autoscaler keeps one: 5x the larger unloaded TTFT of the
 two classes and 2x the larger unloaded TPOT, probed on the static cluster and used for both runs.
-The rates, also set on the static cluster and kept for both runs, come from the simulator on the
-1-thread profile (bench/step_rates.py: before the step, half of what 2P+1D holds; after it,
-between what 2P+1D and 1P+2D hold), or are given as multiples of each mix's one-at-a-time rate
-(1 / its unloaded E2E): `--step-before`, `--step-after`.
+The rates, also set on the static cluster and kept for both runs, are measured there first
+(bench/step_rates.py: before the step, half of what 2P+1D holds; after it, between what 2P+1D
+and 1P+2D hold), or given as multiples of each mix's one-at-a-time rate (1 / its unloaded E2E):
+`--step-before`, `--step-after`.
 """
 
 from __future__ import annotations
@@ -28,22 +28,16 @@ from bench.compare import QUICK
 from bench.harness import create_app_fn, running_cluster, unique_namespace, uvicorn_thread
 from bench.loadgen import Target, first_model, run_load
 from bench.stats import RequestResult
-from bench.step_rates import Sizes, StepRates, step_rates
+from bench.step_rates import StepRates, measure_rates
 from bench.sweep import probe
 from bench.workloads import Mix, make_items
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
-from engine.model_files import default_model_path
-from engine.tokenizer import Tokenizer
 from planner.autoscale import Bounds
-from planner.kinds import model_config
-from planner.profile import EngineProfile
 from planner.slo import SLO
+from router.backend import Backend
 
 TARGET = 0.9
-SIZES = Sizes(prefill=2, decode=1)
-NUM_BLOCKS = 512
-PROBES = 3  # unloaded requests a mix, after bench.sweep.probe's warm-up
 BOUNDS = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=3, cooldown_s=10.0)
 
 
@@ -53,7 +47,7 @@ class StepPlan:
     after: Mix = QUICK.mixes["decode_heavy"]
     before_s: float = 40.0
     after_s: float = 80.0
-    before_x: float | None = None  # rate, as a multiple of the mix's one-at-a-time rate (None: simulated)
+    before_x: float | None = None  # rate, as a multiple of the mix's one-at-a-time rate (None: measured first)
     after_x: float | None = None
     window_s: float = 5.0
     interval_s: float = 5.0  # the autoscaler's
@@ -66,7 +60,7 @@ class StepSetup:
     slo: SLO
     before_rps: float
     after_rps: float
-    simulated: StepRates | None  # where the simulator chose a rate
+    measured: StepRates | None  # where a rate was measured first
 
 
 @dataclass(frozen=True)
@@ -110,19 +104,18 @@ def met(r: RequestResult, slo: SLO) -> bool:
     return r.ok and r.ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
 
 
-def run(mode: str, plan: StepPlan, setup: StepSetup | None, seed: int,
-        profile: EngineProfile | None) -> tuple[StepRun, StepSetup]:  # fmt: skip
+def run(mode: str, plan: StepPlan, setup: StepSetup | None, seed: int) -> tuple[StepRun, StepSetup]:
     """One run on a fresh cluster; probes the SLO and sets the rates first when `setup` is None."""
     settings = importlib.import_module("router.settings").RouterSettings()
-    config = ClusterConfig(namespace=unique_namespace(f"bench-step-{mode}"), prefill=SIZES.prefill,
-                           decode=SIZES.decode, engine=EngineConfig(num_blocks=NUM_BLOCKS, num_threads=1))  # fmt: skip
+    config = ClusterConfig(namespace=unique_namespace(f"bench-step-{mode}"), prefill=2, decode=1,
+                           engine=EngineConfig(num_blocks=512, num_threads=1))  # fmt: skip
     with running_cluster(config) as cluster:
         backend = importlib.import_module("router.backend").ClusterBackend(cluster, settings.routing_policy)
         app = create_app_fn()(backend, settings)
         with uvicorn_thread(app) as url:
             target = Target(url, asyncio.run(first_model(url)))
             if setup is None:
-                setup = _setup(target, plan, seed, profile)
+                setup = _setup(target, backend, plan, seed)
             stop = threading.Event()
             if mode == "autoscale":
                 autoscaler = importlib.import_module("router.autoscaler")
@@ -138,21 +131,20 @@ def run(mode: str, plan: StepPlan, setup: StepSetup | None, seed: int,
     return StepRun(mode, plan.before_s, sent, tuple(events)), setup
 
 
-def _setup(target: Target, plan: StepPlan, seed: int, profile: EngineProfile | None) -> StepSetup:
-    alone = {m.name: probe(target, m, PROBES, seed, progress=False) for m in (plan.before, plan.after)}
+def _setup(target: Target, backend: Backend, plan: StepPlan, seed: int) -> StepSetup:
+    alone = {m.name: probe(target, m, 3, seed, progress=False) for m in (plan.before, plan.after)}
     slo = SLO(5 * max(u.ttft_s for u in alone.values()), 2 * max(u.tpot_s for u in alone.values()))
-    before = None if plan.before_x is None else plan.before_x / alone[plan.before.name].e2e_s
-    after = None if plan.after_x is None else plan.after_x / alone[plan.after.name].e2e_s
-    simulated = None
+    base = {name: 1 / u.e2e_s for name, u in alone.items()}
+    before = None if plan.before_x is None else plan.before_x * base[plan.before.name]
+    after = None if plan.after_x is None else plan.after_x * base[plan.after.name]
+    measured = None
     if before is None or after is None:
-        if profile is None:
-            raise ValueError("the load step's simulated rates need a 1-thread profile")
-        model = default_model_path()
-        simulated = step_rates(profile, model_config(str(model)), NUM_BLOCKS * 16, SIZES, (plan.before, plan.after),
-                               alone, seed, PROBES, slo, Tokenizer.load(model))  # fmt: skip
-        before = simulated.before_rps if before is None else before
-        after = simulated.after_rps if after is None else after
-    return StepSetup(slo, before, after, simulated)
+        print("load step: measuring its rates (2P+1D, then 1P+2D)", file=sys.stderr)
+        measured = measure_rates(target, backend, (plan.before, plan.after), slo, base, seed)
+        print(f"load step: {measured}", file=sys.stderr)
+        before = measured.before_rps if before is None else before
+        after = measured.after_rps if after is None else after
+    return StepSetup(slo, before, after, measured)
 
 
 async def _step(
@@ -172,16 +164,15 @@ async def _step(
     return [(r.start, r) for r in a] + [(plan.before_s + r.start, r) for r in b]
 
 
-def measure(plan: StepPlan, profile: EngineProfile | None, seed: int = 0) -> dict[str, Any]:
-    """Both runs; the keys `tandem bench planner --json` reports, and the timelines. `profile`
-    (1 thread) is needed where `plan` leaves a rate to the simulator."""
+def measure(plan: StepPlan, seed: int = 0) -> dict[str, Any]:
+    """Both runs; the keys `tandem bench planner --json` reports, and the timelines."""
     print("load step: static", file=sys.stderr)
-    static, setup = run("static", plan, None, seed, profile)
+    static, setup = run("static", plan, None, seed)
     print("load step: autoscale", file=sys.stderr)
-    scaled, _ = run("autoscale", plan, setup, seed, profile)
+    scaled, _ = run("autoscale", plan, setup, seed)
     slo = setup.slo
     rates = {"before_rps": setup.before_rps, "after_rps": setup.after_rps,
-             "simulated": asdict(setup.simulated) if setup.simulated else None}  # fmt: skip
+             "measured": asdict(setup.measured) if setup.measured else None}  # fmt: skip
     out: dict[str, Any] = {"step_slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "step_s": plan.before_s,
                            "step_rates": rates}  # fmt: skip
     for r in (static, scaled):

@@ -98,14 +98,14 @@ def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tok
         for system in compare["meta"]["systems"]:
             measured = compare[name]["systems"][system["name"]]
             spec = _spec(system, profiles[system["threads"]], kv_tokens, config)
-            scales = calibration(spec, plan.mixes[name], measured["unloaded"], mix_seed, plan.probe_requests, tok)
-            spec = scaled_spec(spec, *scales)
+            scales = _calibration(spec, plan.mixes[name], measured["unloaded"], mix_seed, plan.probe_requests, tok)
+            spec = _scaled(spec, *scales)
             points, pairs = [], []
             for j, point in enumerate(measured["points"]):
                 i = point.get("index", j)  # the sweep's seed and salt offset (older runs: the position)
                 items = make_items(plan.mixes[name], point["requests"], seed=mix_seed + i, salt=i)
                 at = arrivals(len(items), point["rate"], "poisson", mix_seed + i)
-                prompts = prompt_tokens(tok, items)
+                prompts = _prompt_tokens(tok, items)
                 requests = zip(at, prompts, items, strict=True)
                 trace = Trace.of([(a, p, 0, it.max_tokens, it.cls) for a, p, it in requests])
                 points.append((point["rate"], attainment(trace, simulate(spec, trace), slo)))
@@ -115,11 +115,11 @@ def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tok
     return rows
 
 
-def prompt_tokens(tok: Tokenizer, items: list[WorkItem]) -> list[int]:
+def _prompt_tokens(tok: Tokenizer, items: list[WorkItem]) -> list[int]:
     return [len(tok.encode(tok.apply_chat_template(it.message_dicts()))) for it in items]
 
 
-def calibration(
+def _calibration(
     spec: ClusterSpec, mix: Mix, unloaded: dict[str, Any], seed: int, n: int, tok: Tokenizer
 ) -> tuple[float, float]:
     """(prefill, decode) cost scales: each class's probe requests (as bench.sweep.probe sends
@@ -129,14 +129,14 @@ def calibration(
     for share, shape in mix.classes:
         items = make_items(shape, 2 + n, seed=seed, salt=PROBE_SALT)[2:]
         alone = [(1000.0 * i, p, 0, it.max_tokens, shape.name) for i, (p, it) in
-                 enumerate(zip(prompt_tokens(tok, items), items, strict=True))]  # fmt: skip
+                 enumerate(zip(_prompt_tokens(tok, items), items, strict=True))]  # fmt: skip
         out = simulate(spec, Trace.of(alone))
         prefill += share * max(1.0, unloaded[shape.name]["ttft_s"] / statistics.median(out.ttft))
         decode += share * max(1.0, unloaded[shape.name]["tpot_s"] / max(statistics.median(out.tpot), 1e-9))
     return prefill, decode
 
 
-def scaled_spec(spec: ClusterSpec, prefill: float, decode: float) -> ClusterSpec:
+def _scaled(spec: ClusterSpec, prefill: float, decode: float) -> ClusterSpec:
     def one(w: WorkerSpec) -> WorkerSpec:
         return replace(w, costs=w.costs.scaled(prefill, decode))
 
@@ -161,17 +161,16 @@ def scale_seconds(requests: int = 1_000_000, workers: int = 1000) -> float:
     return time.perf_counter() - t
 
 
-def _profiles(args: argparse.Namespace, out: Path, threads: tuple[int, ...] = (1, 2)) -> dict[int, EngineProfile]:
+def _profiles(args: argparse.Namespace, out: Path) -> dict[int, EngineProfile]:
     from planner.measure import main as profile_main
 
-    given = {1: args.profile_1t, 2: args.profile_2t}
-    paths = {}
-    for t in threads:
-        paths[t] = given[t] or str(out / f"profile-{t}t.json")
-        if given[t] is None:
+    paths = {1: args.profile_1t, 2: args.profile_2t}
+    for threads, path in paths.items():
+        if path is None:
+            paths[threads] = str(out / f"profile-{threads}t.json")
             with sub_command():  # its report goes to stderr, not into this command's JSON
-                profile_main(["--threads", str(t), "--transports", "grpc", "--out", paths[t], "--json"])
-    return {t: EngineProfile.load(p) for t, p in paths.items()}
+                profile_main(["--threads", str(threads), "--transports", "grpc", "--out", paths[threads], "--json"])
+    return {t: EngineProfile.load(p) for t, p in paths.items() if p is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,10 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-step", action="store_true", help="also the autoscaler's load step (live, minutes)")
     ap.add_argument("--no-validation", action="store_true", help="skip the replay of a compare")
     ap.add_argument("--step-before", type=float, help="the load step's rate before it, x the prefill-heavy mix's "
-                    "one-at-a-time rate (default: half what 2P+1D holds, simulated on the 1-thread "
-                    "profile)")  # fmt: skip
+                    "one-at-a-time rate (default: half of what 2P+1D holds, measured first)")  # fmt: skip
     ap.add_argument("--step-after", type=float, help="and after, x the decode-heavy mix's (default: between what "
-                    "2P+1D and 1P+2D hold, simulated)")  # fmt: skip
+                    "2P+1D and 1P+2D hold, measured first)")  # fmt: skip
     ap.add_argument("--out", default="out/bench/planner", help="directory for the load step's plot")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -203,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.load_step import StepPlan, measure
         from bench.plots import attainment_timeline
 
-        plan = StepPlan(before_x=args.step_before, after_x=args.step_after)
-        simulated = args.step_before is None or args.step_after is None
-        step = measure(plan, _profiles(args, out, (1,))[1] if simulated else None)
+        step = measure(StepPlan(before_x=args.step_before, after_x=args.step_after))
         report |= step
         lines = {m: step[f"timeline_{m}"] for m in ("static", "autoscale")}
         report["files"] = [str(attainment_timeline(lines, step["step_s"], Path(args.out) / "load_step.png"))]
@@ -260,12 +256,10 @@ def _print(rows: list[Row], report: dict[str, Any]) -> None:
               f"TPOT {slo['tpot_s'] * 1e3:.0f} ms): "
               f"recovery to >= 90% static {_secs(report['recovery_s_static'])}, "
               f"autoscaled {_secs(report['recovery_s_autoscale'])}; plot {report['files'][0]}")  # fmt: skip
-        rates, sim = report["step_rates"], report["step_rates"]["simulated"]
+        rates, held = report["step_rates"], report["step_rates"]["measured"]
         print(f"  rates {rates['before_rps']:.2f} req/s before, {rates['after_rps']:.2f} after" + (
-              f" (simulated: 2P+1D holds {sim['before_held_rps']:.2f} before, {sim['after_static_rps']:.2f} after; "
-              f"1P+2D {sim['after_flipped_rps']:.2f} after)" if sim else ""))  # fmt: skip
-        if sim and sim["after_flipped_rps"] < 1.2 * sim["after_static_rps"]:
-            print("  the simulator expects little from the flip here: the step may not tell the two runs apart")
+              f" (measured first: 2P+1D holds {held['before_held_rps']:.2f} before, {held['after_static_rps']:.2f} "
+              f"after; 1P+2D {held['after_flipped_rps']:.2f} after)" if held else ""))  # fmt: skip
         for m in ("static", "autoscale"):
             line = " ".join("-" if a is None else f"{a:.0%}" for _, a in report[f"timeline_{m}"])
             print(f"  {m:<10}{line}")

@@ -1,49 +1,50 @@
-"""The load step's rates, from the simulator: the one step whose outcome the autoscaler's flip
-decides, on whatever machine runs it.
+"""The load step's rates, measured on the static cluster first: the one step whose outcome the
+autoscaler's flip decides, on whatever machine runs it.
 
 Fixed multiples of each mix's one-at-a-time rate are not portable: the SLO comes from the same
 machine's probes, and how many requests three 1-thread workers hold within it differs from CPU to
 CPU (on a Zen 4, 3x the decode-heavy rate overloaded 2P+1D and 1P+2D alike, so no policy could
-recover; 1.5x was held by 2P+1D, so none had to). Here, with the 1-thread profile calibrated on
-the static cluster's own probes (as `tandem bench planner` validates it), the simulator gives
-the decode-heavy goodput of 2P+1D (the static sizes) and of 1P+2D (one worker flipped):
+recover; 1.5x was held by 2P+1D, so none had to). Nor does the simulator place them: on the
+1-thread profile, calibrated on the probes, it put 2P+1D's decode-heavy goodput at 7.2 req/s
+there, and the step at 8.7 req/s overloaded both runs from the first window on (three workers
+share two cores with the router and the load generator; the profile's engine runs alone).
+
+So, on the static cluster, before either run: a sweep (bench.sweep) of the prefill-heavy mix
+and of the decode-heavy mix on 2P+1D, then a worker flipped to decode in place and the
+decode-heavy mix swept on 1P+2D, then flipped back. Goodput is bench.stats.max_rate_meeting of
+each sweep at the step's SLO, and
 
     before = BEFORE_SHARE x the prefill-heavy goodput of 2P+1D  (held: nothing should flip)
     after  = sqrt(decode-heavy goodput of 2P+1D x that of 1P+2D)  (missed unless one flips)
 
-The geometric mean sits as far, in ratio, from each side, so a simulator error smaller than
-half the flip's gain (in ratio) still leaves the step where it was meant to be."""
+The geometric mean sits as far, in ratio, from each side."""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
-from bench.loadgen import arrivals
-from bench.planner_bench import calibration, prompt_tokens, scaled_spec
-from bench.sweep import Unloaded
-from bench.workloads import Mix, make_items
-from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer
-from planner.kinds import CPU_HANDOFF_FIXED_S
-from planner.profile import EngineProfile
-from planner.roofline import ModelShape
-from planner.search import Handoff, NodeKind, goodput
-from planner.simulator import WorkerSpec
+from bench.loadgen import Target
+from bench.stats import SLO as Bound
+from bench.stats import max_rate_meeting
+from bench.sweep import sweep
+from bench.workloads import Mix
 from planner.slo import SLO
-from planner.step_costs import StepCosts
-from planner.trace import Trace
+from router.backend import Backend
 
 BEFORE_SHARE = 0.5
-TRACE_REQUESTS = 256  # enough that the trace's rate cap (planner.search.max_rate) is far above both goodputs
-SEED = 7
+FACTORS = (0.5, 1.0, 1.5, 2.25, 3.4, 5.0, 7.6)  # x the mix's one-at-a-time rate, swept up to the first miss
+REQUESTS, SECONDS = 32, 15.0  # a point: at most this many requests, sent over at most this long
+FLIP_S = 60.0  # an idle worker's flip takes about a second; past this, something is wrong
+FLIPPED_SEED = 1000  # the flipped sweep's prompts share nothing with the static one's
 
 
 @dataclass(frozen=True)
 class StepRates:
     before_rps: float
     after_rps: float
-    before_held_rps: float  # simulated goodput of the prefill-heavy mix on the static sizes
+    before_held_rps: float  # goodput of the prefill-heavy mix on the static sizes
     after_static_rps: float  # of the decode-heavy mix on the static sizes
     after_flipped_rps: float  # and with one prefill worker flipped to decode
 
@@ -53,54 +54,47 @@ class StepRates:
         return self.after_flipped_rps / self.after_static_rps if self.after_static_rps else math.inf
 
 
-@dataclass(frozen=True)
-class Sizes:
-    prefill: int
-    decode: int
+def rates_from(before_held: float, after_static: float, after_flipped: float) -> StepRates:
+    """The step's rates from the three goodputs (see the module docstring). Raises RuntimeError
+    where no step can show a flip: nothing of the first mix held, or nothing of the second even
+    with the flip."""
+    if not (before_held and after_flipped):
+        raise RuntimeError(f"2P+1D holds {before_held:.3g} req/s of the first mix and 1P+2D {after_flipped:.3g} "
+                           "of the second at the step's SLO: no step to take")  # fmt: skip
+    after = math.sqrt(after_static * after_flipped) if after_static else after_flipped / 2
+    return StepRates(BEFORE_SHARE * before_held, after, before_held, after_static, after_flipped)
 
-    def flipped(self) -> Sizes:
-        return Sizes(self.prefill - 1, self.decode + 1)
 
-
-def step_rates(
-    profile: EngineProfile,
-    config: ModelConfig,
-    kv_tokens: int,
-    sizes: Sizes,
-    mixes: tuple[Mix, Mix],
-    probes: dict[str, Unloaded],
-    probe_seed: int,
-    probe_requests: int,
-    slo: SLO,
-    tok: Tokenizer,
+def measure_rates(
+    target: Target, backend: Backend, mixes: tuple[Mix, Mix], slo: SLO, one_at_a_time: dict[str, float], seed: int
 ) -> StepRates:
-    """`mixes` (before, after); `probes` their unloaded latencies on the static cluster, sent by
-    bench.sweep.probe with `probe_seed` and `probe_requests`; `slo` the step's one SLO."""
-    gbps = profile.transfer_gbps.get("grpc", 1.0)
-    worker = NodeKind(profile.node_class, WorkerSpec(StepCosts.fit(profile), kv_tokens), transfer_gbps=gbps)
-    handoff = Handoff(CPU_HANDOFF_FIXED_S, ModelShape.of(config, profile.dtype, profile.kv_dtype).kv_bytes_per_token)
-
-    def held(mix: Mix, s: Sizes) -> float:
-        spec = handoff.spec(worker, s.prefill, worker, s.decode)
-        unloaded = {mix.cls or mix.name: {"ttft_s": probes[mix.name].ttft_s, "tpot_s": probes[mix.name].tpot_s}}
-        spec = scaled_spec(spec, *calibration(spec, mix, unloaded, probe_seed, probe_requests, tok))
-        return goodput(spec, _trace(mix, tok), slo)
-
+    """On the static 2P+1D cluster behind `target`; `one_at_a_time` is each mix's rate (by name)."""
     before, after = mixes
-    held_before = held(before, sizes)
-    static, flipped = held(after, sizes), held(after, sizes.flipped())
-    if not (held_before and flipped):
-        raise RuntimeError(
-            f"the simulator says {sizes} hold none of {before.name} ({held_before:.3g} req/s) or "
-            f"{sizes.flipped()} none of {after.name} ({flipped:.3g} req/s) at {slo}: no step to take"
-        )
-    after_rps = math.sqrt(static * flipped) if static else flipped / 2
-    return StepRates(BEFORE_SHARE * held_before, after_rps, held_before, static, flipped)
+    held = _goodput(target, before, slo, one_at_a_time[before.name], seed)
+    static = _goodput(target, after, slo, one_at_a_time[after.name], seed)
+    _flip(backend, "prefill", "decode")
+    try:
+        flipped = _goodput(target, after, slo, one_at_a_time[after.name], seed + FLIPPED_SEED)
+    finally:
+        _flip(backend, "decode", "prefill")
+    return rates_from(held, static, flipped)
 
 
-def _trace(mix: Mix, tok: Tokenizer) -> Trace:
-    items = make_items(mix, TRACE_REQUESTS, seed=SEED, salt=SEED)
-    at = arrivals(len(items), 1.0, "poisson", SEED)
-    return Trace.of(
-        [(a, p, 0, it.max_tokens, it.cls) for a, p, it in zip(at, prompt_tokens(tok, items), items, strict=True)]
-    )
+def _goodput(target: Target, mix: Mix, slo: SLO, base: float, seed: int) -> float:
+    bound = Bound(slo.ttft_s, slo.tpot_s)
+    points = sweep(target, mix, [f * base for f in FACTORS], bound, REQUESTS, SECONDS, seed, progress=False)
+    return max_rate_meeting([(p.rate, p.attainment(bound)) for p in points])
+
+
+def _flip(backend: Backend, role: str, to: str) -> None:
+    """One `role` worker flipped to `to` in place, and up there, or RuntimeError."""
+    ids = [w["worker_id"] for w in backend.status()["workers"] if w["role"] == role and w["state"] == "up"]
+    if not ids or not backend.flip(ids[0], to):
+        raise RuntimeError(f"no {role} worker up to flip to {to}")
+    deadline = time.monotonic() + FLIP_S
+    while time.monotonic() < deadline:
+        w = {w["worker_id"]: w for w in backend.status()["workers"]}.get(ids[0])
+        if w is not None and w["role"] == to and w["state"] == "up":
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{ids[0]} not up as {to} {FLIP_S:.0f} s after its flip")

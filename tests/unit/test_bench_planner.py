@@ -66,27 +66,13 @@ def test_load_step_rates_must_be_positive(capsys: pytest.CaptureFixture[str]) ->
     assert e.value.code == 2 and "must be positive (got None, 0.0)" in capsys.readouterr().err
 
 
-def test_the_load_steps_rates_sit_where_the_flip_decides(smollm_tokenizer: Tokenizer) -> None:
-    from bench.step_rates import BEFORE_SHARE, Sizes, StepRates, step_rates
-    from bench.sweep import Unloaded
-    from engine.model_files import default_model_path
-    from planner.kinds import model_config
-    from planner.slo import SLO
+def test_the_load_steps_rates_sit_where_the_flip_decides() -> None:
+    from bench.step_rates import rates_from
 
-    before, after = QUICK.mixes["prefill_heavy"], QUICK.mixes["decode_heavy"]
-    probes = {m.name: Unloaded(0.01, 0.005, 0.5) for m in (before, after)}  # under the toy's: no scaling
-    config, slo = model_config(str(default_model_path())), SLO(1.0, 0.03)
-
-    def rates(scale: float) -> StepRates:
-        return step_rates(profile(scale), config, 512 * 16, Sizes(2, 1), (before, after), probes, 0, 3, slo,
-                          smollm_tokenizer)  # fmt: skip
-
-    r = rates(1.0)
-    assert r.after_static_rps > 0 and r.flip_gain > 1.2, "a second decode worker holds more of the decode-heavy mix"
-    assert r.after_rps == pytest.approx((r.after_static_rps * r.after_flipped_rps) ** 0.5)
-    assert r.after_static_rps < r.after_rps < r.after_flipped_rps
-    assert r.before_rps == BEFORE_SHARE * r.before_held_rps
-    faster = rates(0.8)
-    assert faster.after_rps > r.after_rps and faster.before_rps > r.before_rps, "rates follow the machine's speed"
+    r = rates_from(before_held=3.0, after_static=2.0, after_flipped=4.5)
+    assert (r.before_rps, r.after_rps, r.flip_gain) == (1.5, 3.0, 2.25), "half; the geometric mean, 1.5x each side"
+    assert rates_from(3.0, 0.0, 4.0).after_rps == 2.0, "2P+1D holds none of it: half of what 1P+2D holds"
     with pytest.raises(RuntimeError, match="no step to take"):
-        rates(50.0)  # not one request a second meets the SLO
+        rates_from(3.0, 0.0, 0.0)  # not even 1P+2D holds any
+    with pytest.raises(RuntimeError, match="no step to take"):
+        rates_from(0.0, 2.0, 4.0)
