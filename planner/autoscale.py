@@ -12,6 +12,10 @@ sizes to set now, with the reasons. Plain values in and out: no clock, no Ray, n
                attainment is under target (hysteresis: a dip in traffic does not shed workers)
     cooldown   no change within `cooldown_s` of the last one (a new worker needs time to load
                and to show in the window)
+    evidence   an SLO counts as missed only where at least `min_misses` of the window's requests
+               missed it: in a window of fewer than 10 requests, one late request is under 90%
+               by itself (a load step on a 2-core machine flipped a worker on one late request
+               of 5, and the flip made the next windows worse)
     trade      with `max_pd` (fixed hardware: prefill + decode at most that many), a pool
                grows by taking a worker from the other, whose SLO must be met and which must
                stay within its min; the pool manager then flips that worker in place. The
@@ -39,9 +43,11 @@ class Bounds:
     down_after: int = 3  # windows in a row that plan lower before a pool shrinks
     target: float = 0.9  # attainment the SLOs ask for
     max_pd: int | None = None  # prefill + decode workers at most (None: no limit)
+    min_misses: int = 2  # requests of a window that must miss an SLO for it to count as missed
 
     def __post_init__(self) -> None:
-        if self.max_step < 1 or self.cooldown_s < 0 or self.down_after < 1 or not 0 < self.target <= 1:
+        if (self.max_step < 1 or self.cooldown_s < 0 or self.down_after < 1 or not 0 < self.target <= 1
+                or self.min_misses < 1):  # fmt: skip
             raise ValueError(f"bad autoscaler bounds: {self}")
         for role, lo in self.min.items():
             if lo < 0 or lo > self.max.get(role, lo):
@@ -89,11 +95,15 @@ def decide(
     memory: Memory,
 ) -> tuple[Decision, Memory]:
     """The sizes to set now (see the module docstring), and the memory for the next call."""
-    missing = window.requests > 0 and min(window.ttft_attainment, window.tpot_attainment) < bounds.target
+    missing = any(_missed(a, window, bounds) for a in (window.ttft_attainment, window.tpot_attainment))
     want = dict(planned) if planned is not None else dict(current)
     reasons = [_window_reason(window, bounds)]
     if planned is None:
         reasons.append("no profile to plan with: attainment alone decides")
+    for slo, a in (("TTFT", window.ttft_attainment), ("TPOT", window.tpot_attainment)):
+        if a < bounds.target and not _missed(a, window, bounds):
+            reasons.append(f"{slo}: {(1 - a) * window.requests:.0f} of {window.requests} requests missed it, "
+                           f"fewer than the {bounds.min_misses} that count")  # fmt: skip
     if missing and all(want.get(r, 0) <= current.get(r, 0) for r in ROLES):
         for role in _short_roles(current, window, bounds):
             want[role] = current.get(role, 0) + 1
@@ -184,11 +194,16 @@ def _short_roles(current: Mapping[str, int], window: Window, bounds: Bounds) -> 
     if current.get("colocated", 0) and not current.get("prefill", 0):
         return ["colocated"]
     short = []
-    if window.ttft_attainment < bounds.target:
+    if _missed(window.ttft_attainment, window, bounds):
         short.append("prefill")
-    if window.tpot_attainment < bounds.target:
+    if _missed(window.tpot_attainment, window, bounds):
         short.append("decode")
     return short
+
+
+def _missed(attainment: float, window: Window, bounds: Bounds) -> bool:
+    """Under target, by at least `bounds.min_misses` requests of the window."""
+    return attainment < bounds.target and (1.0 - attainment) * window.requests >= bounds.min_misses - 1e-9
 
 
 def _window_reason(w: Window, bounds: Bounds) -> str:

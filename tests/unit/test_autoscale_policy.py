@@ -3,6 +3,8 @@ hysteresis on the way down."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.autoscale import Bounds, Memory, Window, decide
@@ -110,7 +112,7 @@ def test_on_fixed_hardware_a_pool_grows_by_taking_a_worker_from_the_other() -> N
 def test_a_flipped_worker_flips_back_only_after_down_after_windows_in_a_row() -> None:
     fixed = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=3, cooldown_s=10,
                    down_after=3)  # fmt: skip
-    slow_first = Window(5, 8, 0.875, 1.0)  # one late first token of 8
+    slow_first = Window(5, 8, 0.75, 1.0)  # two late first tokens of 8
     d, mem = decide(0, {"prefill": 2, "decode": 1, "colocated": 0}, None, SLOW_DECODE, fixed, Memory())
     assert d.sizes == {"prefill": 1, "decode": 2, "colocated": 0} and mem.flipped_to == "decode"
     sizes = d.sizes
@@ -129,3 +131,17 @@ def test_a_flipped_worker_flips_back_only_after_down_after_windows_in_a_row() ->
     assert mem.flipped_to == "prefill" and mem.back_in_a_row == 0 and mem.last_change_s == 40
     d, mem = decide(45, d.sizes, None, SLOW_DECODE, fixed, mem)
     assert not d.changed and mem.back_in_a_row == 1, "and the same holds the other way"
+
+
+def test_one_late_request_of_a_small_window_is_not_a_missed_slo() -> None:
+    fixed = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=3, cooldown_s=10)
+    two_p = {"prefill": 2, "decode": 1, "colocated": 0}
+    d, mem = decide(0, two_p, None, Window(5, 5, 1.0, 0.8), fixed, Memory())  # one late request of 5: 80%
+    assert not d.changed and d.sizes == two_p and mem == Memory(None, {r: 0 for r in two_p}), d.reasons
+    assert "TPOT: 1 of 5 requests missed it, fewer than the 2 that count" in d.reasons
+    d, _ = decide(0, two_p, None, Window(5, 5, 1.0, 0.6), fixed, Memory())  # two of 5
+    assert d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}, d.reasons
+    d, _ = decide(0, two_p, None, Window(5, 5, 1.0, 0.8), replace(fixed, min_misses=1), Memory())
+    assert d.sizes == {"prefill": 1, "decode": 2, "colocated": 0}, "min_misses=1: any miss under target counts"
+    with pytest.raises(ValueError):
+        Bounds(min_misses=0)
