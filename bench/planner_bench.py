@@ -260,6 +260,8 @@ def _print(rows: list[Row], report: dict[str, Any]) -> None:
         print(f"  rates {rates['before_rps']:.2f} req/s before, {rates['after_rps']:.2f} after" + (
               f" (measured first: 2P+1D holds {held['before_held_rps']:.2f} before, {held['after_static_rps']:.2f} "
               f"after; 1P+2D {held['after_flipped_rps']:.2f} after)" if held else ""))  # fmt: skip
+        if held and held["after_flipped_rps"] < held["after_static_rps"]:
+            print("  the flip loses here: the step sits where only 2P+1D holds, and the right decision is none")
         for m in ("static", "autoscale"):
             line = " ".join("-" if a is None else f"{a:.0%}" for _, a in report[f"timeline_{m}"])
             print(f"  {m:<10}{line}")
