@@ -15,9 +15,11 @@ decode-heavy mix swept on 1P+2D, then flipped back. Goodput is bench.stats.max_r
 each sweep at the step's SLO, and
 
     before = BEFORE_SHARE x the prefill-heavy goodput of 2P+1D  (held: nothing should flip)
-    after  = sqrt(decode-heavy goodput of 2P+1D x that of 1P+2D)  (missed unless one flips)
+    after  = sqrt(decode-heavy goodput of 2P+1D x that of 1P+2D)
 
-The geometric mean sits as far, in ratio, from each side."""
+The geometric mean sits as far, in ratio, from each side: only the better of the two sizes holds
+it. Where the flip pays, static misses it and a flip recovers; where it loses (on the Zen 4:
+2P+1D held 4.15-5.76 req/s, 1P+2D 2.55-3.62), static holds it and the right decision is none."""
 
 from __future__ import annotations
 
