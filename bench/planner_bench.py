@@ -238,8 +238,9 @@ def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> li
 
 
 def _print(rows: list[Row], report: dict[str, Any]) -> None:
-    print(f"{'mix':<16}{'system':<18}{'measured req/s':>16}{'simulated':>12}{'error':>8}"
-          f"{'prefill x':>11}{'decode x':>10}")  # fmt: skip
+    if rows:
+        print(f"{'mix':<16}{'system':<18}{'measured req/s':>16}{'simulated':>12}{'error':>8}"
+              f"{'prefill x':>11}{'decode x':>10}")  # fmt: skip
     for r in rows:
         err = "-" if r.error is None else f"{r.error:.0%}"
         print(f"{r.mix:<16}{r.system:<18}{r.measured:>16.3f}{r.simulated:>12.3f}{err:>8}"
