@@ -8,9 +8,10 @@ from the step to recovery (every window from then on at >= 90%; None: not within
 The SLO is one for both mixes, as the autoscaler keeps one: 5x the larger unloaded TTFT of the
 two classes and 2x the larger unloaded TPOT, probed on the static cluster and used for both runs.
 The rates, also set on the static cluster and kept for both runs, are measured there first
-(bench/step_rates.py: before the step, half of what 2P+1D holds; after it, between what 2P+1D
-and 1P+2D hold), or given as multiples of each mix's one-at-a-time rate (1 / its unloaded E2E):
-`--step-before`, `--step-after`.
+(bench/step_rates.py: before the step, half of what the static sizes hold; after it, between
+what they and the sizes with one worker flipped hold), or given as multiples of each mix's
+one-at-a-time rate (1 / its unloaded E2E): `--step-before`, `--step-after`. `--step-reverse`
+(StepPlan.reversed): the step the other way, decode-heavy to prefill-heavy from 1P+2D.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import math
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from bench.compare import QUICK
 from bench.harness import create_app_fn, running_cluster, unique_namespace, uvicorn_thread
 from bench.loadgen import Target, first_model, run_load
 from bench.stats import RequestResult
-from bench.step_rates import StepRates, measure_rates
+from bench.step_rates import Sizes, StepRates, measure_rates
 from bench.sweep import probe
 from bench.workloads import Mix, make_items
 from cluster.cluster import ClusterConfig
@@ -38,6 +39,7 @@ from planner.slo import SLO
 from router.backend import Backend
 
 TARGET = 0.9
+START = Sizes(prefill=2, decode=1)
 BOUNDS = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=3, cooldown_s=10.0)
 
 
@@ -45,12 +47,19 @@ BOUNDS = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}
 class StepPlan:
     before: Mix = QUICK.mixes["prefill_heavy"]
     after: Mix = QUICK.mixes["decode_heavy"]
+    start: Sizes = START  # the static sizes; the mix after the step wants a worker flipped to `grows`
+    grows: str = "decode"
     before_s: float = 40.0
     after_s: float = 80.0
     before_x: float | None = None  # rate, as a multiple of the mix's one-at-a-time rate (None: measured first)
     after_x: float | None = None
     window_s: float = 5.0
     interval_s: float = 5.0  # the autoscaler's
+
+    def reversed(self) -> StepPlan:
+        """The step the other way (decode-heavy to prefill-heavy, from 1P+2D, a worker flipping to prefill)."""
+        grows = "prefill" if self.grows == "decode" else "decode"
+        return replace(self, before=self.after, after=self.before, start=self.start.flipped(self.grows), grows=grows)
 
 
 @dataclass(frozen=True)
@@ -107,8 +116,8 @@ def met(r: RequestResult, slo: SLO) -> bool:
 def run(mode: str, plan: StepPlan, setup: StepSetup | None, seed: int) -> tuple[StepRun, StepSetup]:
     """One run on a fresh cluster; probes the SLO and sets the rates first when `setup` is None."""
     settings = importlib.import_module("router.settings").RouterSettings()
-    config = ClusterConfig(namespace=unique_namespace(f"bench-step-{mode}"), prefill=2, decode=1,
-                           engine=EngineConfig(num_blocks=512, num_threads=1))  # fmt: skip
+    config = ClusterConfig(namespace=unique_namespace(f"bench-step-{mode}"), prefill=plan.start.prefill,
+                           decode=plan.start.decode, engine=EngineConfig(num_blocks=512, num_threads=1))  # fmt: skip
     with running_cluster(config) as cluster:
         backend = importlib.import_module("router.backend").ClusterBackend(cluster, settings.routing_policy)
         app = create_app_fn()(backend, settings)
@@ -139,8 +148,9 @@ def _setup(target: Target, backend: Backend, plan: StepPlan, seed: int) -> StepS
     after = None if plan.after_x is None else plan.after_x * base[plan.after.name]
     measured = None
     if before is None or after is None:
-        print("load step: measuring its rates (2P+1D, then 1P+2D)", file=sys.stderr)
-        measured = measure_rates(target, backend, (plan.before, plan.after), slo, base, seed)
+        flipped = plan.start.flipped(plan.grows)
+        print(f"load step: measuring its rates ({plan.start}, then {flipped})", file=sys.stderr)
+        measured = measure_rates(target, backend, (plan.before, plan.after), plan.grows, slo, base, seed)
         print(f"load step: {measured}", file=sys.stderr)
         before = measured.before_rps if before is None else before
         after = measured.after_rps if after is None else after
@@ -171,8 +181,9 @@ def measure(plan: StepPlan, seed: int = 0) -> dict[str, Any]:
     print("load step: autoscale", file=sys.stderr)
     scaled, _ = run("autoscale", plan, setup, seed)
     slo = setup.slo
-    rates = {"before_rps": setup.before_rps, "after_rps": setup.after_rps,
-             "measured": asdict(setup.measured) if setup.measured else None}  # fmt: skip
+    rates = {"before_rps": setup.before_rps, "after_rps": setup.after_rps, "static_sizes": str(plan.start),
+             "flipped_sizes": str(plan.start.flipped(plan.grows)), "before_mix": plan.before.name,
+             "after_mix": plan.after.name, "measured": asdict(setup.measured) if setup.measured else None}  # fmt: skip
     out: dict[str, Any] = {"step_slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "step_s": plan.before_s,
                            "step_rates": rates}  # fmt: skip
     for r in (static, scaled):

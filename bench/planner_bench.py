@@ -19,7 +19,8 @@ scale       1,000 workers (500 prefill H100 + 500 decode H200, a Llama-3.1-8B ro
 
 load step  With --load-step: bench/load_step.py (the prefill-heavy to decode-heavy step, static
             and autoscaled on the same hardware; recovery_s_static, recovery_s_autoscale, and
-            the attainment timelines as a plot). --no-validation skips the replay.
+            the attainment timelines as a plot; --step-reverse: decode-heavy to prefill-heavy).
+            --no-validation skips the replay.
 """
 
 from __future__ import annotations
@@ -182,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,000-worker, 1M-request timing")
     ap.add_argument("--load-step", action="store_true", help="also the autoscaler's load step (live, minutes)")
     ap.add_argument("--no-validation", action="store_true", help="skip the replay of a compare")
-    ap.add_argument("--step-before", type=float, help="the load step's rate before it, x the prefill-heavy mix's "
-                    "one-at-a-time rate (default: half of what 2P+1D holds, measured first)")  # fmt: skip
-    ap.add_argument("--step-after", type=float, help="and after, x the decode-heavy mix's (default: between what "
-                    "2P+1D and 1P+2D hold, measured first)")  # fmt: skip
+    ap.add_argument("--step-before", type=float, help="the load step's rate before it, x that mix's one-at-a-time "
+                    "rate (default: half of what the static sizes hold, measured first)")  # fmt: skip
+    ap.add_argument("--step-after", type=float, help="and after, x that mix's (default: between what the static "
+                    "sizes and those with a worker flipped hold, measured first)")  # fmt: skip
+    ap.add_argument("--step-reverse", action="store_true", help="the load step the other way: decode-heavy to "
+                    "prefill-heavy, from 1P+2D")  # fmt: skip
     ap.add_argument("--out", default="out/bench/planner", help="directory for the load step's plot")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.load_step import StepPlan, measure
         from bench.plots import attainment_timeline
 
-        step = measure(StepPlan(before_x=args.step_before, after_x=args.step_after))
+        plan = StepPlan(before_x=args.step_before, after_x=args.step_after)
+        step = measure(plan.reversed() if args.step_reverse else plan)
         report |= step
         lines = {m: step[f"timeline_{m}"] for m in ("static", "autoscale")}
         report["files"] = [str(attainment_timeline(lines, step["step_s"], Path(args.out) / "load_step.png"))]
@@ -258,11 +262,13 @@ def _print(rows: list[Row], report: dict[str, Any]) -> None:
               f"recovery to >= 90% static {_secs(report['recovery_s_static'])}, "
               f"autoscaled {_secs(report['recovery_s_autoscale'])}; plot {report['files'][0]}")  # fmt: skip
         rates, held = report["step_rates"], report["step_rates"]["measured"]
-        print(f"  rates {rates['before_rps']:.2f} req/s before, {rates['after_rps']:.2f} after" + (
-              f" (measured first: 2P+1D holds {held['before_held_rps']:.2f} before, {held['after_static_rps']:.2f} "
-              f"after; 1P+2D {held['after_flipped_rps']:.2f} after)" if held else ""))  # fmt: skip
+        static, flipped = rates.get("static_sizes", "2P+1D"), rates.get("flipped_sizes", "1P+2D")
+        print(f"  {rates.get('before_mix', '')} to {rates.get('after_mix', '')}: {rates['before_rps']:.2f} req/s "
+              f"before, {rates['after_rps']:.2f} after" + (
+              f" (measured first: {static} holds {held['before_held_rps']:.2f} before, {held['after_static_rps']:.2f} "
+              f"after; {flipped} {held['after_flipped_rps']:.2f} after)" if held else ""))  # fmt: skip
         if held and held["after_flipped_rps"] < held["after_static_rps"]:
-            print("  the flip loses here: the step sits where only 2P+1D holds, and the right decision is none")
+            print(f"  the flip loses here: the step sits where only {static} holds, and the right decision is none")
         for m in ("static", "autoscale"):
             line = " ".join("-" if a is None else f"{a:.0%}" for _, a in report[f"timeline_{m}"])
             print(f"  {m:<10}{line}")

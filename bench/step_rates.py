@@ -9,13 +9,14 @@ recover; 1.5x was held by 2P+1D, so none had to). Nor does the simulator place t
 there, and the step at 8.7 req/s overloaded both runs from the first window on (three workers
 share two cores with the router and the load generator; the profile's engine runs alone).
 
-So, on the static cluster, before either run: a sweep (bench.sweep) of the prefill-heavy mix
-and of the decode-heavy mix on 2P+1D, then a worker flipped to decode in place and the
-decode-heavy mix swept on 1P+2D, then flipped back. Goodput is bench.stats.max_rate_meeting of
-each sweep at the step's SLO, and
+So, on the static cluster, before either run: a sweep (bench.sweep) of the mix before the step
+and of the one after it on the static sizes (2P+1D; the reversed step's 1P+2D), then a worker
+flipped in place toward what the mix after the step needs (to decode; to prefill) and that mix
+swept again, then the worker flipped back. Goodput is bench.stats.max_rate_meeting of each
+sweep at the step's SLO, and
 
-    before = BEFORE_SHARE x the prefill-heavy goodput of 2P+1D  (held: nothing should flip)
-    after  = sqrt(decode-heavy goodput of 2P+1D x that of 1P+2D)
+    before = BEFORE_SHARE x the static sizes' goodput of the mix before  (held: nothing should flip)
+    after  = sqrt(the static sizes' goodput of the mix after x the flipped sizes')
 
 The geometric mean sits as far, in ratio, from each side: only the better of the two sizes holds
 it. Where the flip pays, static misses it and a flip recovers; where it loses (on the Zen 4:
@@ -43,16 +44,30 @@ FLIPPED_SEED = 1000  # the flipped sweep's prompts share nothing with the static
 
 
 @dataclass(frozen=True)
+class Sizes:
+    prefill: int
+    decode: int
+
+    def flipped(self, to: str) -> Sizes:
+        """One worker flipped to `to` ("prefill" or "decode") from the other pool."""
+        step = 1 if to == "prefill" else -1
+        return Sizes(self.prefill + step, self.decode - step)
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P+{self.decode}D"
+
+
+@dataclass(frozen=True)
 class StepRates:
     before_rps: float
     after_rps: float
-    before_held_rps: float  # goodput of the prefill-heavy mix on the static sizes
-    after_static_rps: float  # of the decode-heavy mix on the static sizes
-    after_flipped_rps: float  # and with one prefill worker flipped to decode
+    before_held_rps: float  # goodput of the mix before the step on the static sizes
+    after_static_rps: float  # of the mix after it on the static sizes
+    after_flipped_rps: float  # and with one worker flipped
 
     @property
     def flip_gain(self) -> float:
-        """How much more of the decode-heavy mix the flipped sizes hold (1: the flip buys nothing)."""
+        """How much more of the mix after the step the flipped sizes hold (1: the flip buys nothing)."""
         return self.after_flipped_rps / self.after_static_rps if self.after_static_rps else math.inf
 
 
@@ -61,24 +76,32 @@ def rates_from(before_held: float, after_static: float, after_flipped: float) ->
     where no step can show a flip: nothing of the first mix held, or nothing of the second even
     with the flip."""
     if not (before_held and after_flipped):
-        raise RuntimeError(f"2P+1D holds {before_held:.3g} req/s of the first mix and 1P+2D {after_flipped:.3g} "
-                           "of the second at the step's SLO: no step to take")  # fmt: skip
+        raise RuntimeError(f"the static sizes hold {before_held:.3g} req/s of the first mix and the flipped ones "
+                           f"{after_flipped:.3g} of the second at the step's SLO: no step to take")  # fmt: skip
     after = math.sqrt(after_static * after_flipped) if after_static else after_flipped / 2
     return StepRates(BEFORE_SHARE * before_held, after, before_held, after_static, after_flipped)
 
 
 def measure_rates(
-    target: Target, backend: Backend, mixes: tuple[Mix, Mix], slo: SLO, one_at_a_time: dict[str, float], seed: int
+    target: Target,
+    backend: Backend,
+    mixes: tuple[Mix, Mix],
+    grows: str,
+    slo: SLO,
+    one_at_a_time: dict[str, float],
+    seed: int,
 ) -> StepRates:
-    """On the static 2P+1D cluster behind `target`; `one_at_a_time` is each mix's rate (by name)."""
+    """On the static cluster behind `target`, then with one worker flipped to `grows` and back;
+    `one_at_a_time` is each mix's rate (by name)."""
     before, after = mixes
+    other = "prefill" if grows == "decode" else "decode"
     held = _goodput(target, before, slo, one_at_a_time[before.name], seed)
     static = _goodput(target, after, slo, one_at_a_time[after.name], seed)
-    _flip(backend, "prefill", "decode")
+    _flip(backend, other, grows)
     try:
         flipped = _goodput(target, after, slo, one_at_a_time[after.name], seed + FLIPPED_SEED)
     finally:
-        _flip(backend, "decode", "prefill")
+        _flip(backend, grows, other)
     return rates_from(held, static, flipped)
 
 

@@ -76,3 +76,15 @@ def test_the_load_steps_rates_sit_where_the_flip_decides() -> None:
         rates_from(3.0, 0.0, 0.0)  # not even 1P+2D holds any
     with pytest.raises(RuntimeError, match="no step to take"):
         rates_from(0.0, 2.0, 4.0)
+
+
+def test_the_reversed_load_step_starts_where_the_forward_flip_ends() -> None:
+    from bench.load_step import StepPlan
+    from bench.step_rates import Sizes
+
+    forward = StepPlan()
+    back = forward.reversed()
+    assert (forward.start, forward.grows, forward.start.flipped("decode")) == (Sizes(2, 1), "decode", Sizes(1, 2))
+    assert (back.before, back.after) == (forward.after, forward.before)
+    assert (back.start, back.grows, str(back.start.flipped(back.grows))) == (Sizes(1, 2), "prefill", "2P+1D")
+    assert back.reversed() == forward
