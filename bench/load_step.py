@@ -32,11 +32,10 @@ from bench.stats import RequestResult
 from bench.step_rates import Sizes, StepRates, measure_rates
 from bench.sweep import probe
 from bench.workloads import Mix, make_items
-from cluster.cluster import ClusterConfig
+from cluster.cluster import Cluster, ClusterConfig
 from engine.config import EngineConfig
 from planner.autoscale import Bounds
 from planner.slo import SLO
-from router.backend import Backend
 
 TARGET = 0.9
 START = Sizes(prefill=2, decode=1)
@@ -124,7 +123,7 @@ def run(mode: str, plan: StepPlan, setup: StepSetup | None, seed: int) -> tuple[
         with uvicorn_thread(app) as url:
             target = Target(url, asyncio.run(first_model(url)))
             if setup is None:
-                setup = _setup(target, backend, plan, seed)
+                setup = _setup(target, cluster, plan, seed)
             stop = threading.Event()
             if mode == "autoscale":
                 autoscaler = importlib.import_module("router.autoscaler")
@@ -140,7 +139,7 @@ def run(mode: str, plan: StepPlan, setup: StepSetup | None, seed: int) -> tuple[
     return StepRun(mode, plan.before_s, sent, tuple(events)), setup
 
 
-def _setup(target: Target, backend: Backend, plan: StepPlan, seed: int) -> StepSetup:
+def _setup(target: Target, cluster: Cluster, plan: StepPlan, seed: int) -> StepSetup:
     alone = {m.name: probe(target, m, 3, seed, progress=False) for m in (plan.before, plan.after)}
     slo = SLO(5 * max(u.ttft_s for u in alone.values()), 2 * max(u.tpot_s for u in alone.values()))
     base = {name: 1 / u.e2e_s for name, u in alone.items()}
@@ -150,7 +149,7 @@ def _setup(target: Target, backend: Backend, plan: StepPlan, seed: int) -> StepS
     if before is None or after is None:
         flipped = plan.start.flipped(plan.grows)
         print(f"load step: measuring its rates ({plan.start}, then {flipped})", file=sys.stderr)
-        measured = measure_rates(target, backend, (plan.before, plan.after), plan.grows, slo, base, seed)
+        measured = measure_rates(target, cluster, (plan.before, plan.after), plan.grows, slo, base, seed)
         print(f"load step: {measured}", file=sys.stderr)
         before = measured.before_rps if before is None else before
         after = measured.after_rps if after is None else after

@@ -25,7 +25,6 @@ it. Where the flip pays, static misses it and a flip recovers; where it loses (o
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 from bench.loadgen import Target
@@ -33,8 +32,8 @@ from bench.stats import SLO as Bound
 from bench.stats import max_rate_meeting
 from bench.sweep import sweep
 from bench.workloads import Mix
+from cluster.cluster import Cluster
 from planner.slo import SLO
-from router.backend import Backend
 
 BEFORE_SHARE = 0.5
 FACTORS = (0.5, 1.0, 1.5, 2.25, 3.4, 5.0, 7.6)  # x the mix's one-at-a-time rate, swept up to the first miss
@@ -84,7 +83,7 @@ def rates_from(before_held: float, after_static: float, after_flipped: float) ->
 
 def measure_rates(
     target: Target,
-    backend: Backend,
+    cluster: Cluster,
     mixes: tuple[Mix, Mix],
     grows: str,
     slo: SLO,
@@ -97,11 +96,11 @@ def measure_rates(
     other = "prefill" if grows == "decode" else "decode"
     held = _goodput(target, before, slo, one_at_a_time[before.name], seed)
     static = _goodput(target, after, slo, one_at_a_time[after.name], seed)
-    _flip(backend, other, grows)
+    _flip(cluster, other, grows)
     try:
         flipped = _goodput(target, after, slo, one_at_a_time[after.name], seed + FLIPPED_SEED)
     finally:
-        _flip(backend, grows, other)
+        _flip(cluster, grows, other)
     return rates_from(held, static, flipped)
 
 
@@ -111,15 +110,10 @@ def _goodput(target: Target, mix: Mix, slo: SLO, base: float, seed: int) -> floa
     return max_rate_meeting([(p.rate, p.attainment(bound)) for p in points])
 
 
-def _flip(backend: Backend, role: str, to: str) -> None:
-    """One `role` worker flipped to `to` in place, and up there, or RuntimeError."""
-    ids = [w["worker_id"] for w in backend.status()["workers"] if w["role"] == role and w["state"] == "up"]
-    if not ids or not backend.flip(ids[0], to):
+def _flip(cluster: Cluster, role: str, to: str) -> None:
+    """One `role` worker flipped to `to` in place, and up and registered there (Cluster.wait_ready:
+    the flip moved the desired sizes with it), or RuntimeError / TimeoutError."""
+    ids = [w["worker_id"] for w in cluster.workers() if w["role"] == role and w["state"] == "up"]
+    if not ids or not cluster.flip(ids[0], to):
         raise RuntimeError(f"no {role} worker up to flip to {to}")
-    deadline = time.monotonic() + FLIP_S
-    while time.monotonic() < deadline:
-        w = {w["worker_id"]: w for w in backend.status()["workers"]}.get(ids[0])
-        if w is not None and w["role"] == to and w["state"] == "up":
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{ids[0]} not up as {to} {FLIP_S:.0f} s after its flip")
+    cluster.wait_ready(timeout=FLIP_S)
