@@ -61,6 +61,7 @@ class System:
     colocated: int
     threads: int
     router: tuple[tuple[str, int], ...] = ()  # RouterSettings fields this system's router overrides
+    lend_cores: bool = True  # EngineConfig.lend_cores: the workers of the host lend idle cores
 
     @property
     def pd(self) -> bool:
@@ -75,6 +76,13 @@ COLOCATED_1X2 = System("colocated 1x2t", 0, 0, 1, 2)
 COLOCATED_2X1 = System("colocated 2x1t", 0, 0, 2, 1)
 PD = System("P/D 1P+1D 1t", 1, 1, 0, 1)
 PD_SPILL = System("P/D 1P+1D 1t, spill", 1, 1, 0, 1, (("spill_streams", 2),))  # the spill route, against PD
+
+
+def static_cores(system: System) -> System:
+    """`system` with each worker on its own share of the cores, busy peers or not (the A/B of
+    engine/core_ledger.py)."""
+    return replace(system, name=f"{system.name}, static cores", lend_cores=False)
+
 
 _CHAT = MIXES["chat"]
 
@@ -152,7 +160,10 @@ def run_system(
         decode=system.decode,
         colocated=system.colocated,
         engine=EngineConfig(
-            num_blocks=plan.num_blocks, num_threads=system.threads, max_prefill_chunk=plan.max_prefill_chunk
+            num_blocks=plan.num_blocks,
+            num_threads=system.threads,
+            max_prefill_chunk=plan.max_prefill_chunk,
+            lend_cores=system.lend_cores,
         ),
     )
     out: dict[str, MixRun] = {}
@@ -189,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--max-prefill-chunk", type=int, default=None, help="every worker's (0: the whole budget)")
     ap.add_argument("--spill-too", action="store_true", help="also run P/D with the spill route on, same rates")
+    ap.add_argument("--static-cores-too", action="store_true", help="also run each system of several workers "
+                    "with lending of idle cores off (engine/core_ledger.py), right after it, same rates")  # fmt: skip
     names = [s.name for s in FULL.systems]
     ap.add_argument("--system", action="append", choices=names, help="only this system (repeatable; default all)")
     args = ap.parse_args(argv)
@@ -205,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, max_prefill_chunk=args.max_prefill_chunk)
     if args.spill_too:
         plan = replace(plan, systems=(*plan.systems, PD_SPILL))
+    if args.static_cores_too:
+        pairs = ((s, static_cores(s)) if s.prefill + s.decode + s.colocated > 1 else (s,) for s in plan.systems)
+        plan = replace(plan, systems=tuple(s for pair in pairs for s in pair))
     scales = (args.ttft_scale, args.tpot_scale)
     t0 = time.monotonic()
     base: dict[str, float] = {}

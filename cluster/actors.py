@@ -29,6 +29,7 @@ from cluster.registration import PublishesBlocks, Registered
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.core_ledger import ledger_path
 from engine.messages import TokenOutput
 from engine.outbox import Item
 from engine.outputs import RequestOutput
@@ -113,6 +114,10 @@ class _Hosted:
         outboxes = self.w.outboxes
         self.pushers.attach(outboxes.take, outboxes.give_back, outboxes.lost, subscriber, address, token, wait_s)
 
+    def _share_cores(self, namespace: str) -> None:
+        if self.w.config.lend_cores:
+            self.w.share_cores(ledger_path(namespace))
+
     def start(self, *args: Any, **kwargs: Any) -> None:
         with self.w.serving():
             self.w.start(*args, **kwargs)
@@ -151,6 +156,7 @@ class PDActor(_Hosted, PublishesBlocks):
         self.pushers = Pushers()
         # a request's end publishes its answer's blocks at once: a next turn may follow right away
         self.w.loop.on_outputs.append(self._publish_on_finish)
+        self._share_cores(namespace)
         self._register(state_url, namespace)
 
     def _make(self, worker_id: str, config: EngineConfig, core: WorkerBase | None) -> PrefillWorker | DecodeWorker:
@@ -264,6 +270,7 @@ class ColocatedActor(_Hosted, Registered):
     def __init__(self, worker_id: str, model_path: str, config: EngineConfig, state_url: str, namespace: str) -> None:
         self.w = ColocatedWorker(worker_id, model_path, config)
         self.pushers = Pushers()
+        self._share_cores(namespace)
         self._register(state_url, namespace)
 
     def generate(self, *args: Any, **kwargs: Any) -> Iterator[TokenOutput]:

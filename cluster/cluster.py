@@ -35,6 +35,7 @@ from cluster.shutdown import Outcome, Step, run_steps
 from cluster.state import ClusterState
 from cluster.view import ViewRefresher
 from cluster.worker_actors import kill_workers
+from engine.core_ledger import ledger_path
 from engine.sampling_params import SamplingParams
 from kv_transfer import in_place
 
@@ -275,4 +276,5 @@ class Cluster:
             steps.append(Step("ray", ray.shutdown, ray=True))  # from a joined cluster: only this driver leaves
         if not self.keeps_pools:
             steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
+            steps.append(Step("core ledger", lambda: ledger_path(self.config.namespace).unlink(missing_ok=True)))
         return run_steps(steps, ray_gone)

@@ -73,6 +73,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     role: Role = "colocated"
     num_threads: int | None = None
+    # Workers of one host that split its cores (num_threads) lend them to each other while idle
+    # (engine/core_ledger.py); off: each steps on num_threads, busy peers or not.
+    lend_cores: bool = True
     speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
     num_speculative_tokens: int = 4
     kv_dtype: str = "auto"  # how the KV cache stores keys and values: engine/kv_codec.py

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+import torch
+
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.fair_lock import FairRLock
@@ -65,9 +67,19 @@ class OutputSink(Protocol):
     def put(self, item: RequestOutput | BaseException) -> None: ...
 
 
+class CoreShare(Protocol):
+    """How many threads each step may use, shared with the host's other workers
+    (engine/core_ledger.py): `claim()` before a step, `release()` before waiting for work."""
+
+    def claim(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, lock: FairRLock | None = None) -> None:
         self.engine = engine
+        self.cores: CoreShare | None = None
         self.lock = lock or FairRLock()
         self.steps = 0
         self._streams: dict[str, OutputSink] = {}
@@ -157,6 +169,7 @@ class EngineLoop:
                 outs: list[RequestOutput] = []
                 if busy:
                     try:
+                        self._size_team()
                         outs = self.engine.step()
                         self.steps += 1
                     except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
@@ -165,11 +178,21 @@ class EngineLoop:
             if outs:
                 self._dispatch(outs)
             if not busy:
+                if self.cores is not None:
+                    self.cores.release()
                 # Whatever gives the loop work sets _wake after it (open, later, stop), and the
                 # next look for work follows the clear: no timeout, so an idle loop does not wake
                 # (it polled 20 times a second, on the cores the engines use).
                 self._wake.wait()
                 self._wake.clear()
+
+    def _size_team(self) -> None:
+        """This step's OpenMP team: the threads the host's ledger lends it (on this thread: the
+        team is the loop thread's)."""
+        if self.cores is not None:
+            n = self.cores.claim()
+            if n != torch.get_num_threads():
+                torch.set_num_threads(n)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for cb in self.on_outputs:

@@ -11,11 +11,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
+from engine.core_ledger import CoreLedger
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.loop import EngineLoop
@@ -68,8 +70,10 @@ class WorkerBase:
             self.loop.on_dispatched.append(self.outboxes.flush)
             self.spans = WorkerSpans(worker_id, self.role, provider_from_env("tandem-worker"))
             self.loop.on_outputs.append(self.spans.on_outputs)
+            self.ledger: CoreLedger | None = None
         else:
             self.engine, self.loop, self.outboxes, self.spans = core.engine, core.loop, core.outboxes, core.spans
+            self.ledger = core.ledger
             self.loop.call(lambda e: switch_role(e, config))
             self.spans.role = self.role
         self._last_stats: dict[str, Any] = {"worker_id": worker_id, "role": self.role, "pid": os.getpid()}
@@ -82,6 +86,12 @@ class WorkerBase:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def share_cores(self, path: Path) -> None:
+        """Lend this worker's threads to the other workers of its host while it is idle, and
+        borrow theirs while they are (engine/core_ledger.py; the ledger file at `path`)."""
+        self.ledger = CoreLedger(path, self.config.num_threads or torch.get_num_threads())
+        self.loop.cores = self.ledger
 
     def drain(self) -> None:
         """Stop taking new requests; in-flight ones run to completion."""
@@ -197,6 +207,8 @@ class WorkerBase:
     def check_integrity(self) -> None:
         self.loop.check_integrity()
         self.outboxes.check_integrity(self.loop.streaming())
+        if self.ledger is not None:
+            self.ledger.check_integrity()
 
     def close_role(self) -> None:
         """Close what only this role uses (servers, clients), keeping the engine and its loop."""
@@ -205,3 +217,5 @@ class WorkerBase:
         self.close_role()
         self.outboxes.close()
         self.loop.stop()
+        if self.ledger is not None:
+            self.ledger.close()
