@@ -74,8 +74,17 @@ class Row:
         return 0.0 if self.simulated == 0 else None
 
 
-def _spec(system: dict[str, Any], profile: EngineProfile, kv_tokens: int, config: ModelConfig) -> ClusterSpec:
+def _spec(
+    system: dict[str, Any], profiles: dict[int, EngineProfile], kv_tokens: int, config: ModelConfig
+) -> ClusterSpec:
+    """`system` as the simulator's cluster, its workers on the profile of their threads; workers
+    that lent each other their cores (`lend_cores`, on since engine/core_ledger.py; a compare from
+    before has no such key) share one host, lent the profile of all its cores."""
+    profile = profiles[system["threads"]]
+    lent = profiles.get(system["cores"]) if system.get("lend_cores") else None
     worker = WorkerSpec(StepCosts.fit(profile), kv_tokens)
+    if lent is not None and system["cores"] > system["threads"]:
+        worker = replace(worker, host=0, lent=StepCosts.fit(lent))
     if system["colocated"]:
         return colocated(NodeKind(system["name"], worker), system["colocated"])
     gbps = profile.transfer_gbps.get("grpc", 1.0)
@@ -98,7 +107,7 @@ def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tok
         slo = {c: SLO(s["ttft_s"], s["tpot_s"]) for c, s in compare[name]["slo"]["classes"].items()}
         for system in compare["meta"]["systems"]:
             measured = compare[name]["systems"][system["name"]]
-            spec = _spec(system, profiles[system["threads"]], kv_tokens, config)
+            spec = _spec(system, profiles, kv_tokens, config)
             scales = _calibration(spec, plan.mixes[name], measured["unloaded"], mix_seed, plan.probe_requests, tok)
             spec = _scaled(spec, *scales)
             points, pairs = [], []
@@ -139,7 +148,8 @@ def _calibration(
 
 def _scaled(spec: ClusterSpec, prefill: float, decode: float) -> ClusterSpec:
     def one(w: WorkerSpec) -> WorkerSpec:
-        return replace(w, costs=w.costs.scaled(prefill, decode))
+        lent = w.lent.scaled(prefill, decode) if w.lent is not None else None
+        return replace(w, costs=w.costs.scaled(prefill, decode), lent=lent)
 
     return replace(spec, prefill=tuple(map(one, spec.prefill)), decode=tuple(map(one, spec.decode)),
                    colocated=tuple(map(one, spec.colocated)))  # fmt: skip

@@ -73,19 +73,36 @@ class CoreLedger:
         self.path, self.base = path, base
         self.cores = cores or host_cores()
         self.pid = os.getpid()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = self._open_locked()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_size < _SIZE:
                 os.ftruncate(fd, _SIZE)
             self._map = mmap.mmap(fd, _SIZE)
-            self.slot = self._take_slot()
+            try:
+                self.slot = self._take_slot()
+            except BaseException:
+                self._map.close()
+                raise
             fcntl.flock(fd, fcntl.LOCK_UN)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         self._busy = False
+        self.lent_steps = 0  # steps claimed on more threads than the base
+
+    def _open_locked(self) -> int:
+        """The ledger file, open and flocked. The last worker to leave unlinks it under the flock:
+        a file this one opened before that and locked after is not the ledger any more."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
 
     def _take_slot(self) -> int:
         """Caller holds the flock."""
@@ -110,7 +127,9 @@ class CoreLedger:
             pool += base
             if busy and (i == self.slot or _alive(pid)):
                 busy_base += base
-        return max(self.base, min(pool, self.cores) * self.base // max(busy_base, self.base))
+        threads = max(self.base, min(pool, self.cores) * self.base // max(busy_base, self.base))
+        self.lent_steps += threads > self.base
+        return threads
 
     def release(self) -> None:
         """Mark this worker idle: its cores go to its busy peers' next steps."""

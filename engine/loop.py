@@ -21,6 +21,7 @@ from engine.engine import Engine
 from engine.errors import EngineError
 from engine.fair_lock import FairRLock
 from engine.outputs import RequestOutput
+from engine.torch_threads import set_team_size
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class EngineLoop:
         if self.cores is not None:
             n = self.cores.claim()
             if n != torch.get_num_threads():
-                torch.set_num_threads(n)
+                set_team_size(n)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         for cb in self.on_outputs:

@@ -11,9 +11,14 @@ then exits (`on_spent_thread`), so that the loop's thread is the only team left.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -45,3 +50,37 @@ def threads_per_worker(cores: int, workers: int) -> int:
     as there are cores; measured on 2 cores, 1P+1D (int8, C=8): 2 threads each gave TPOT p50
     51 ms, 1 each 45 ms."""
     return max(1, cores // max(1, workers))
+
+
+def set_team_size(n: int) -> None:
+    """This thread's OpenMP team for torch's ops from now on (torch.get_num_threads() reads it, and
+    so do the native kernels), leaving torch's process-wide count as it was. torch.set_num_threads
+    sets both, and a thread that runs its first parallel op later starts its team from that count:
+    a decode worker's KV receiver threads would then take teams of 2 from a loop lent 2 threads,
+    and two teams on 2 cores stop libgomp's spinning (above). Where torch runs on no libgomp,
+    torch.set_num_threads."""
+    omp_set_num_threads = _libgomp_setter()
+    if omp_set_num_threads is None:
+        torch.set_num_threads(n)
+        return
+    torch.get_num_threads()  # this thread's first use sets its team from torch's count: before, not after
+    omp_set_num_threads(n)
+
+
+@functools.cache
+def _libgomp_setter() -> Callable[[int], None] | None:
+    """omp_set_num_threads of the libgomp torch loaded (torch's wheel bundles its own), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and "/" in line}
+    torch_dir = str(Path(torch.__file__).parent)
+    for path in sorted(paths, key=lambda p: not p.startswith(torch_dir)):  # torch's own first
+        try:
+            fn = ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        return fn  # type: ignore[no-any-return]
+    return None

@@ -183,7 +183,8 @@ class WorkerBase:
         """Load and KV figures, read under the engine lock when it comes within STATS_WAIT_S;
         otherwise (a long prefill step holds it) the last figures read, marked `stale`. A
         heartbeat never waits out a step: a worker busy for seconds is busy, not gone."""
-        live = {"role": self.role, "draining": self.draining, "steps": self.loop.steps, "load_s": self.load_s}
+        live = {"role": self.role, "draining": self.draining, "steps": self.loop.steps, "load_s": self.load_s,
+                "lent_steps": self.ledger.lent_steps if self.ledger is not None else 0}  # fmt: skip
         if not self.loop.lock.acquire(timeout=STATS_WAIT_S):
             return {**self._last_stats, **live, "stale": True}
         try:

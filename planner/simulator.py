@@ -10,6 +10,12 @@
     colocated worker:  one step decodes every running request and spends the rest of the token
                        budget on prefill chunks (chunked prefill), as the engine does
 
+Workers of one host (WorkerSpec.host >= 0) lend each other their cores while idle, as
+engine/core_ledger.py does: a step that starts while every other worker of its host is idle costs
+`lent` (the profile with all the host's threads), any other `costs`. (With more than two workers
+a host, the ledger also lends some idle cores to each of several busy workers; this model lends
+only to a worker that is busy alone.)
+
 Routing: the least loaded worker of the pool (prefill: queued uncached tokens; decode: reserved
 KV tokens; colocated: queued prefill tokens, then reserved KV), of all when a pool has up to
 EXACT_ROUTE_MAX workers, else of ROUTE_CHOICES drawn at random (power of choices: a large
@@ -41,6 +47,8 @@ class WorkerSpec:
     max_batch: int = 128  # requests decoding at once (max_num_seqs)
     token_budget: int = 2048  # tokens a step (max_num_batched_tokens)
     prefill_chunk: int = 512  # tokens of one prompt a step (EngineConfig.prefill_chunk on the CPU); 0: the budget
+    host: int = -1  # workers with the same host >= 0 share its cores; -1: a host of its own
+    lent: StepCosts | None = None  # with a host: its costs on all the host's cores (its peers idle)
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,8 @@ class Outcome:
 
 
 class _Worker:
-    __slots__ = ("batch", "busy", "context", "done", "kv_used", "load", "prefilling", "queue", "reserved", "role",
-                 "running", "spec", "started", "steps")  # fmt: skip
+    __slots__ = ("batch", "busy", "context", "done", "kv_used", "load", "peers", "prefilling", "queue", "reserved",
+                 "role", "running", "spec", "started", "steps")  # fmt: skip
 
     def __init__(self, role: str, spec: WorkerSpec) -> None:
         self.role = role
@@ -88,6 +96,7 @@ class _Worker:
         self.load = 0  # queued uncached tokens (prefill, colocated)
         self.busy = False
         self.prefilling: list[tuple[int, int]] = []  # this step's chunks: (request, tokens)
+        self.peers: list[_Worker] = []  # the other workers of its host
 
 
 class Simulator:
@@ -97,6 +106,10 @@ class Simulator:
         self.prefill = [_Worker("prefill", s) for s in spec.prefill]
         self.decode = [_Worker("decode", s) for s in spec.decode]
         self.colocated = [_Worker("colocated", s) for s in spec.colocated]
+        everyone = self.prefill + self.decode + self.colocated
+        for w in everyone:
+            if w.spec.host >= 0:
+                w.peers = [p for p in everyone if p is not w and p.spec.host == w.spec.host]
         n = len(trace)
         self.first = [math.nan] * n
         self.last = [math.nan] * n
@@ -195,7 +208,9 @@ class Simulator:
             w.busy = False
             return
         w.busy = True
-        seconds = spec.costs.mixed(w.batch, w.context, tokens, attention)
+        alone = spec.host >= 0 and not any(p.busy for p in w.peers)
+        costs = spec.lent if alone and spec.lent is not None else spec.costs
+        seconds = costs.mixed(w.batch, w.context, tokens, attention)
         self.seq += 1
         heapq.heappush(self.events, (self.now + seconds, self.seq, _STEP, w))
 

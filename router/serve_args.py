@@ -67,6 +67,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="torch threads per worker (0: this host's cores split among its workers; with --join, all cores)",
     )
+    ap.add_argument(
+        "--no-lend-cores",
+        action="store_true",
+        help="each worker steps on its own threads only (default: the workers of a host lend idle cores)",
+    )
     ap.add_argument("--namespace", default=env("TANDEM_NAMESPACE", "default"))
     ap.add_argument(
         "--admin-token", default=env("TANDEM_ADMIN_TOKEN", ""), help="enables /admin (or TANDEM_ADMIN_TOKEN)"

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_blocks=args.num_blocks,
                 max_prefill_chunk=args.max_prefill_chunk,
                 num_threads=threads or None,
+                lend_cores=not args.no_lend_cores,
                 speculative="" if args.speculative == "off" else args.speculative,
                 kv_dtype=args.kv_dtype,
                 device=args.device,

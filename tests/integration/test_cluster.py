@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from cluster.cluster import Cluster, ClusterConfig
 from cluster.outputs import StreamOutput
 from cluster.routing import RoutingPolicy
 from engine.config import EngineConfig
+from engine.core_ledger import _SLOT, ledger_path
 from engine.engine import Engine
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
@@ -191,6 +193,34 @@ def test_next_turn_runs_on_the_decode_worker_that_wrote_the_answer(cluster: Clus
     assert placement.transfer_bytes == 0
     assert tokens_of(second) == engine_fp32.generate([turn2], GREEDY)[0].token_ids
     cluster.check_integrity()
+
+
+def test_a_decode_worker_steps_on_the_idle_prefill_workers_core(cluster: Cluster, engine_fp32: Engine) -> None:
+    """1P+1D x 1 thread on this host's 2 cores (engine/core_ledger.py): while the prefill worker
+    is idle, the decode worker's steps borrow its core; the answer is a single engine's; both
+    workers hold a slot of the namespace's ledger, and both are idle again after."""
+    ids = chat(engine_fp32, "Count from one to twenty in words.")
+    lent = {w["worker_id"]: w.get("lent_steps", 0) for w in cluster.workers()}
+    outs = list(cluster.generate(ids, GREEDY))
+    assert tokens_of(outs) == engine_fp32.generate([ids], GREEDY)[0].token_ids
+    decode = outs[0].placement.decode_worker  # type: ignore[union-attr]
+    until(lambda: lent_steps(cluster, decode) > lent[decode], 10, "the decode worker's heartbeat to show lent steps")
+    workers = [w for w in cluster.workers() if w["state"] == "up" and "pid" in w]
+    slots = ledger_slots(ledger_path(cluster.config.namespace))
+    assert {w["pid"] for w in workers} <= {pid for pid, _, _ in slots}
+    until(lambda: not any(busy for _, _, busy in ledger_slots(ledger_path(cluster.config.namespace))), 10, "idle")
+    cluster.check_integrity()
+
+
+def lent_steps(c: Cluster, worker_id: str) -> int:
+    return int(next(w.get("lent_steps", 0) for w in c.workers() if w["worker_id"] == worker_id))
+
+
+def ledger_slots(path: Path) -> list[tuple[int, int, int]]:
+    """The ledger's taken slots: (pid, base threads, busy)."""
+    data = path.read_bytes()
+    slots = [_SLOT.unpack_from(data, i * _SLOT.size) for i in range(len(data) // _SLOT.size)]
+    return [s for s in slots if s[0]]
 
 
 def test_a_short_prompt_spills_whole_to_the_prefill_worker(cluster: Cluster, engine_fp32: Engine) -> None:

@@ -10,6 +10,7 @@ from bench.compare import QUICK
 from bench.planner_bench import main, replay
 from engine.tokenizer import Tokenizer
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint
+from planner.step_costs import StepCosts
 
 
 def profile(scale: float) -> EngineProfile:
@@ -37,6 +38,20 @@ def test_replay_simulates_each_measured_point(smollm_tokenizer: Tokenizer) -> No
     assert all(r.simulated == 2.0 and r.error == 0.0 for r in fast)  # every point meets the SLO
     slow = replay(compare_json(), {1: profile(50.0), 2: profile(50.0)}, smollm_tokenizer)
     assert all(r.simulated == 0.0 and r.error == 1.0 for r in slow)  # none does
+
+
+def test_workers_that_lent_their_cores_share_a_host_in_the_simulator() -> None:
+    from bench.compare import PD, static_cores
+    from bench.planner_bench import _spec
+    from tests.unit.tiny import TINY
+
+    profiles = {1: profile(1.0), 2: profile(0.5)}
+    lending = _spec(PD.__dict__ | {"cores": PD.cores}, profiles, 1024, TINY)
+    assert {(w.host, w.lent is not None) for w in lending.prefill + lending.decode} == {(0, True)}
+    assert lending.decode[0].lent == StepCosts.fit(profiles[2])  # the profile of both cores
+    for static in (static_cores(PD).__dict__, {k: v for k, v in PD.__dict__.items() if k != "lend_cores"}):
+        spec = _spec(static | {"cores": PD.cores}, profiles, 1024, TINY)  # A/B; a compare from before lending
+        assert {(w.host, w.lent) for w in spec.prefill + spec.decode} == {(-1, None)}
 
 
 def test_a_measured_zero_has_no_relative_error_unless_the_simulation_agrees() -> None:

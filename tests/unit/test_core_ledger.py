@@ -33,6 +33,7 @@ def test_an_idle_worker_lends_its_threads_to_a_busy_one(tmp_path: Path) -> None:
     assert d.claim() == 2  # the prefill worker is idle: decode steps on both cores
     assert p.claim() == 1  # both busy: the split
     assert d.claim() == 1
+    assert (d.lent_steps, p.lent_steps) == (1, 0)
     p.release()
     assert d.claim() == 2
     d.release()
@@ -165,8 +166,8 @@ def test_the_loop_claims_before_each_step_and_releases_when_idle(tiny_model: Lla
         loop.check_integrity()
     finally:
         loop.stop()
-        torch.set_num_threads(lent - 1)  # torch keeps the last count set for threads it meets later
     assert loop.steps >= 3 and share.calls.count("claim") == loop.steps
     runs = [c for i, c in enumerate(share.calls) if i == 0 or c != share.calls[i - 1]]
     assert runs == ["release", "claim", "release"]  # idle, every step of the request, idle again
     assert engine.seen == [lent] * loop.steps  # each step ran on the team the share lent
+    assert torch.get_num_threads() == lent - 1  # on the loop's thread only

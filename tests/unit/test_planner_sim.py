@@ -4,6 +4,7 @@ goodput search, and the planner's choices on synthetic costs where the answer is
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,25 @@ def test_one_request_on_pd() -> None:
     assert out.ttft == approx((0.1,))
     assert out.e2e == approx((0.17,))
     assert out.tpot == approx((0.035,))
+
+
+HALF = StepCosts(0.0, 0.0005, 0.0, 0.005, 0.0, 0.0)  # COSTS on twice the threads
+
+
+def test_a_worker_busy_alone_on_its_host_steps_on_its_peers_cores_too() -> None:
+    # 1P+1D on one host, each at half its costs while the other is idle (engine/core_ledger.py).
+    # A: prefill 0-0.05 (decode idle: lent), lands 0.10; B arrives 0.07, prefill lent 0.07-0.115
+    # (decode still idle); A decodes 0.10-0.12 at full cost (prefill busy); B lands 0.165 and
+    # decodes alone, lent, 0.165-0.175
+    w = WorkerSpec(COSTS, host=0, lent=HALF)
+    spec = ClusterSpec(prefill=(w,), decode=(w,), transfer_fixed_s=0.05)
+    out = simulate(spec, Trace.of([(0.0, 100, 0, 3, "A"), (0.07, 90, 0, 3, "B")]))
+    assert out.ttft == approx((0.05, 0.045))
+    assert out.e2e == approx((0.12, 0.105))
+    apart = replace(w, host=-1)  # each on a host of its own: nothing to borrow, `lent` unused
+    out = simulate(ClusterSpec(prefill=(apart,), decode=(apart,), transfer_fixed_s=0.05),
+                   Trace.of([(0.0, 100, 0, 3, "A")]))  # fmt: skip
+    assert out.ttft == approx((0.1,)) and out.e2e == approx((0.17,))
 
 
 def test_prefill_chunks_under_the_token_budget_fifo() -> None:

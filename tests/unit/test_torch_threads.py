@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
-from engine.torch_threads import on_spent_thread, threads_per_worker
+from engine.torch_threads import on_spent_thread, set_team_size, threads_per_worker
 
 
 def test_returns_the_result_from_a_thread_that_has_exited() -> None:
@@ -34,3 +35,27 @@ def test_workers_on_one_host_split_its_cores() -> None:
     assert threads_per_worker(16, 3) == 5
     assert threads_per_worker(2, 5) == 1  # never 0
     assert threads_per_worker(8, 0) == 8
+
+
+def test_a_team_size_set_on_one_thread_stays_on_that_thread() -> None:
+    """The engine loop's team grows while the host's other workers are idle (engine/core_ledger.py);
+    a thread that starts its torch ops later (a KV receiver's) keeps torch's count."""
+    start = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def later() -> None:
+        seen["later"] = torch.get_num_threads()
+
+    def loop() -> None:
+        set_team_size(start + 1)
+        seen["loop"] = torch.get_num_threads()
+        torch.ones(1 << 16).add_(1)  # a parallel op runs on the new team
+        t = threading.Thread(target=later)
+        t.start()
+        t.join()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join()
+    assert seen == {"loop": start + 1, "later": start}
+    assert torch.get_num_threads() == start
