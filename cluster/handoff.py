@@ -241,6 +241,10 @@ class Attempt:
         try:
             if stage is not Stage.DONE:
                 self.stage = Stage.FAILED
+            # With Ray shut down (a caller dropped a stream after Cluster.shutdown, and it is closed
+            # where the garbage collector finds it), a remote call would start a new Ray and hang
+            # there; the workers went with the old one.
+            if stage is not Stage.DONE and ray.is_initialized():
                 with contextlib.suppress(Exception):  # Ray itself going down: the leases free the rest
                     if self.prefill is not None:
                         if stage in (Stage.NEW, Stage.RESERVED):

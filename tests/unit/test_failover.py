@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -182,3 +183,32 @@ def test_view_reads_the_pool_manager_only_when_the_registry_moves() -> None:
     assert [background(), background()] == [9, 10]  # and every full_s whatever the registry says
     v.refresh()
     assert len(reads) == 11  # an explicit refresh always reads
+
+
+class RecordingHandle:
+    """An actor handle whose methods' .remote() calls are recorded."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str]]) -> None:
+        self.name, self.calls = name, calls
+
+    def __getattr__(self, method: str) -> SimpleNamespace:
+        return SimpleNamespace(remote=lambda *args: self.calls.append((self.name, method)))
+
+
+def test_an_attempt_closed_after_ray_is_gone_calls_no_worker() -> None:
+    """A stream dropped after Cluster.shutdown is closed wherever the collector finds it: a
+    remote call there would start a new Ray (auto-init) and hang. Its ledger entry still ends."""
+    import ray
+
+    from cluster.handoff import Attempt, Seam, Stage
+    from cluster.inflight import InflightLedger
+
+    assert not ray.is_initialized()
+    calls: list[tuple[str, str]] = []
+    ledger = InflightLedger()
+    ledger.begin("r", "d", "p", 1, 3)
+    handles = {w: RecordingHandle(w, calls) for w in ("d", "p")}
+    attempt = Attempt("r", [1, 2, 3], PARAMS, Route("d", "p"), handles, Seam(ledger, None, None), threading.Event())  # type: ignore[arg-type]
+    attempt.close()
+    assert calls == [] and attempt.stage is Stage.FAILED and len(ledger) == 0
+    ledger.check_integrity()
