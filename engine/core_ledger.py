@@ -24,14 +24,11 @@ is wrong for one step. Registering and leaving take the file's flock.
 from __future__ import annotations
 
 import fcntl
-import logging
 import mmap
 import os
 import re
 import struct
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 SLOTS = 64
 _SLOT = struct.Struct("<iii")  # pid, base threads, busy

@@ -89,8 +89,14 @@ class WorkerBase:
 
     def share_cores(self, path: Path) -> None:
         """Lend this worker's threads to the other workers of its host while it is idle, and
-        borrow theirs while they are (engine/core_ledger.py; the ledger file at `path`)."""
-        self.ledger = CoreLedger(path, self.config.num_threads or torch.get_num_threads())
+        borrow theirs while they are (engine/core_ledger.py; the ledger file at `path`). A ledger
+        that cannot be opened (no writable /dev/shm, every slot taken) leaves the worker on its
+        own threads, logged: lending is worth no worker."""
+        try:
+            self.ledger = CoreLedger(path, self.config.num_threads or torch.get_num_threads())
+        except (OSError, RuntimeError) as e:
+            log.warning("worker %s steps on its own threads only: core ledger %s: %s", self.worker_id, path, e)
+            return
         self.loop.cores = self.ledger
 
     def drain(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,6 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def workers(model_dir: str) -> Iterator[tuple[PrefillWorker, DecodeWorker, ColocatedWorker]]:
-    from dataclasses import replace
-
     p = PrefillWorker("p0", model_dir, replace(CFG, role="prefill"))
     d = DecodeWorker("d0", model_dir, replace(CFG, role="decode"))
     c = ColocatedWorker("c0", model_dir, CFG)
@@ -119,6 +118,22 @@ def test_drain_refuses_new_work(model_dir: str) -> None:
         assert c.idle()
     finally:
         c.shutdown()
+
+
+def test_a_worker_shares_its_hosts_cores_or_serves_on_its_own(model_dir: str, tmp_path: Path) -> None:
+    c = ColocatedWorker("c2", model_dir, replace(CFG, num_threads=1))
+    try:
+        c.share_cores(tmp_path / "missing-dir" / "cores")  # cannot be opened: no ledger, still serves
+        assert c.ledger is None and c.loop.cores is None
+        assert len([t for o in c.generate("a", [1, 2, 3], PARAMS) for t in o.token_ids]) == 12
+        c.share_cores(tmp_path / "cores")
+        assert c.ledger is not None and c.loop.cores is c.ledger
+        assert len([t for o in c.generate("b", [1, 2, 3], PARAMS) for t in o.token_ids]) == 12
+        assert c.ledger.lent_steps == 0  # the only worker of its ledger: its 1 thread is the whole split
+        c.check_integrity()
+    finally:
+        c.shutdown()
+    assert not (tmp_path / "cores").exists()  # the last to leave removes the ledger
 
 
 def test_tiny_checkpoint_without_tokenizer(model_dir: str) -> None:
@@ -235,8 +250,6 @@ def test_kv_over_tls_between_workers(
     model_dir: str, workers: tuple[PrefillWorker, DecodeWorker, ColocatedWorker], tmp_path: Path
 ) -> None:
     """The TLS config a deployment passes (ClusterConfig.kv_tls) reaches both ends: same tokens."""
-    from dataclasses import replace
-
     from tests.unit.pki import write_pki
 
     server_tls, client_tls = write_pki(tmp_path)
