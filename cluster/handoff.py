@@ -174,6 +174,8 @@ class Attempt:
             for out in self._follow(feed, started, worker):
                 if self.placement is None:
                     self.placement = Placement(worker, worker, out.num_cached_tokens, prefill_s=time.monotonic() - t0)
+                    # out of its worker's prefill queue; no cost learnt (the time includes decode steps)
+                    self.ledger.prefilled(self.request_id)
                 yield out
 
     @contextlib.contextmanager

@@ -9,9 +9,12 @@ looked emptiest (LESSONS 8). The ledger is updated on the request path itself:
                                                   next begin() on those workers takes it over,
                                                   an unused one lapses after HOLD_S
     begin(rid, route, blocks, prefill_tokens)     decode: +1 stream, +blocks
-                                                  prefill: +prefill_tokens queued
-    prefilled(rid, uncached_tokens, seconds)      prefill: -prefill_tokens; the per-token cost learns,
-                                                  and the longest prefill of the last RECENT_S
+                                                  prefill: +prefill_tokens queued (a route with no
+                                                  prefill worker queues them on its own worker:
+                                                  a local or colocated one prefills there too)
+    prefilled(rid, uncached_tokens, seconds)      prefill: -prefill_tokens; with seconds, the
+                                                  per-token cost learns, and the longest prefill
+                                                  of the last RECENT_S
     end(rid)                                      whatever is still counted for rid is taken back
 
 `reconcile(live)` forgets workers that left the registry. Bookkeeping only: no Ray, no I/O.
@@ -47,7 +50,7 @@ class WorkerLoad:
 @dataclass
 class _Entry:
     decode: str
-    prefill: str | None
+    prefill: str  # the worker that prefills: `decode` itself for a route with no prefill worker
     blocks: int
     prefill_tokens: int  # still queued on `prefill`; 0 once prefilled
 
@@ -71,7 +74,7 @@ class InflightLedger:
         """Count a route just picked until a begin() on the same workers takes it over."""
         with self._lock:
             self._lapse()
-            e = _Entry(decode, prefill, blocks, prefill_tokens if prefill is not None else 0)
+            e = _Entry(decode, prefill or decode, blocks, prefill_tokens)
             self._holds.append((self._clock() + HOLD_S, e))
             self._count(e, 1)
 
@@ -83,18 +86,17 @@ class InflightLedger:
                 raise ValueError(f"request {request_id!r} is already in flight")
             self._lapse()
             for i, (_, held) in enumerate(self._holds):
-                if (held.decode, held.prefill) == (decode, prefill):
+                if (held.decode, held.prefill) == (decode, prefill or decode):
                     del self._holds[i]
                     self._count(held, -1)
                     break
-            e = self._entries[request_id] = _Entry(decode, prefill, blocks, prefill_tokens if prefill else 0)
+            e = self._entries[request_id] = _Entry(decode, prefill or decode, blocks, prefill_tokens)
             self._count(e, 1)
 
     def _count(self, e: _Entry, sign: int) -> None:
         _add(self._streams, e.decode, sign)
         _add(self._blocks, e.decode, sign * e.blocks)
-        if e.prefill is not None:
-            _add(self._tokens, e.prefill, sign * e.prefill_tokens)
+        _add(self._tokens, e.prefill, sign * e.prefill_tokens)
 
     def _lapse(self) -> None:
         now = self._clock()
@@ -106,7 +108,7 @@ class InflightLedger:
         measured time, the worker's per-token cost moves towards seconds / uncached_tokens."""
         with self._lock:
             e = self._entries.get(request_id)
-            if e is None or e.prefill is None or e.prefill_tokens == 0:
+            if e is None or e.prefill_tokens == 0:
                 return
             _add(self._tokens, e.prefill, -e.prefill_tokens)
             e.prefill_tokens = 0
@@ -143,9 +145,7 @@ class InflightLedger:
         numbers from skewing routing in the meantime."""
         alive = set(live)
         with self._lock:
-            gone = [
-                r for r, e in self._entries.items() if e.decode not in alive or (e.prefill or e.decode) not in alive
-            ]
+            gone = [r for r, e in self._entries.items() if e.decode not in alive or e.prefill not in alive]
             known = set(self._streams) | set(self._tokens) | set(self._cost)
         for rid in gone:
             self.end(rid)
@@ -174,8 +174,7 @@ class InflightLedger:
             for e in [*self._entries.values(), *(h for _, h in self._holds)]:
                 _add(streams, e.decode, 1)
                 _add(blocks, e.decode, e.blocks)
-                if e.prefill is not None:
-                    _add(tokens, e.prefill, e.prefill_tokens)
+                _add(tokens, e.prefill, e.prefill_tokens)
             assert streams == self._streams, f"streams {self._streams} != entries {streams}"
             assert blocks == self._blocks, f"blocks {self._blocks} != entries {blocks}"
             assert tokens == self._tokens, f"prefill tokens {self._tokens} != entries {tokens}"

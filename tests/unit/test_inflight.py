@@ -11,10 +11,13 @@ def test_begin_prefilled_end_counts_exactly() -> None:
     led = InflightLedger()
     led.begin("a", "d1", "p1", blocks=5, prefill_tokens=70)
     led.check_integrity()
-    led.begin("b", "d1", None, blocks=2, prefill_tokens=99)  # colocated: no prefill queue
+    led.begin("b", "d1", None, blocks=2, prefill_tokens=99)  # whole on d1 (local, colocated): it prefills there
+    led.check_integrity()
+    assert led.load("d1") == WorkerLoad(streams=2, blocks=7, prefill_tokens=99)
+    assert led.load("p1").prefill_tokens == 70
+    led.prefilled("b")  # its first token: out of d1's queue, no time to learn from
     led.check_integrity()
     assert led.load("d1") == WorkerLoad(streams=2, blocks=7)
-    assert led.load("p1").prefill_tokens == 70
     with pytest.raises(ValueError):
         led.begin("a", "d2", "p1", 1, 1)
     led.prefilled("a", uncached_tokens=70, seconds=0.7)
