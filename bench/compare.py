@@ -76,6 +76,7 @@ COLOCATED_1X2 = System("colocated 1x2t", 0, 0, 1, 2)
 COLOCATED_2X1 = System("colocated 2x1t", 0, 0, 2, 1)
 PD = System("P/D 1P+1D 1t", 1, 1, 0, 1)
 PD_SPILL = System("P/D 1P+1D 1t, spill", 1, 1, 0, 1, (("spill_streams", 2),))  # the spill route, against PD
+PD_OVERFLOW = System("P/D 1P+1D 1t, overflow", 1, 1, 0, 1, (("overflow_below_tokens", 1024),))  # against PD
 
 
 def static_cores(system: System) -> System:
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--max-prefill-chunk", type=int, default=None, help="every worker's (0: the whole budget)")
     ap.add_argument("--spill-too", action="store_true", help="also run P/D with the spill route on, same rates")
+    ap.add_argument("--overflow-too", action="store_true", help="also run P/D with the overflow route on, same rates")
     ap.add_argument("--static-cores-too", action="store_true", help="also run each system of several workers "
                     "with lending of idle cores off (engine/core_ledger.py), right after it, same rates")  # fmt: skip
     names = [s.name for s in FULL.systems]
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, max_prefill_chunk=args.max_prefill_chunk)
     if args.spill_too:
         plan = replace(plan, systems=(*plan.systems, PD_SPILL))
+    if args.overflow_too:
+        plan = replace(plan, systems=(*plan.systems, PD_OVERFLOW))
     if args.static_cores_too:
         pairs = ((s, static_cores(s)) if s.prefill + s.decode + s.colocated > 1 else (s,) for s in plan.systems)
         plan = replace(plan, systems=tuple(s for pair in pairs for s in pair))

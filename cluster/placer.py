@@ -13,9 +13,10 @@ import threading
 from collections.abc import Sequence
 
 from cluster.inflight import InflightLedger, WorkerLoad
-from cluster.routing import Route, RoutingPolicy, WorkerView, plan_route
+from cluster.routing import Route, RoutingPolicy, plan_route
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
+from cluster.worker_view import WorkerView
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams

@@ -1,18 +1,12 @@
-"""Routing policy: pure functions over a snapshot of worker state. No Ray, no Redis.
-
-Each worker is seen through its last heartbeat and through `load`, what this router has sent
-it and not yet seen finish (cluster.inflight). Decode is picked by in-flight streams (the
-heartbeat's count when that is higher: other routers), then free blocks. Prefill is picked by
-estimated time to first token:
-
-    ttft(w) = (queued prefill tokens on w + this prompt's tokens not cached on w) * w's s/token
-
-so a cache hit wins exactly while it saves more than the queue it waits behind costs, with no
-cliff. `plan_route` puts them together, with conditional disaggregation:
+"""Routing policy: where one request runs, from the picks of cluster.worker_view (pure functions
+over a snapshot of worker state; no Ray, no Redis). `plan_route` puts the picks together, with
+conditional disaggregation:
 
     local       a decode worker holds more of the prompt than any prefill worker (a conversation's
                 history and the last answer, which it wrote) and the rest is short: the request
                 runs whole there, prefilling only the rest (`pick_local`)
+    overflow    the prefill worker is busy and the prompt is not long: it runs whole on the decode
+                worker when its first token comes sooner there (`overflows`)
     spill       the decode worker has more streams than the prefill worker by a margin, and the
                 prefill worker has no long prefill to stall them with: a short prompt runs whole
                 on the prefill worker, whose core otherwise idles between short prefills (`spills`)
@@ -25,93 +19,9 @@ A local or colocated route moves no KV: where the transfer costs more than it sa
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
 
-from cluster.inflight import WorkerLoad
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    worker_id: str
-    role: str
-    free_blocks: int = 0
-    num_blocks: int = 1
-    running: int = 0
-    waiting: int = 0
-    healthy: bool = True
-    draining: bool = False
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-
-    @property
-    def free(self) -> int:
-        """Free blocks, counting what was reserved here since the heartbeat."""
-        return min(self.free_blocks, self.num_blocks - self.load.blocks)
-
-    @property
-    def streams(self) -> int:
-        return max(self.load.streams, self.running + self.waiting)
-
-    @classmethod
-    def of(cls, worker_id: str, info: Mapping[str, Any], load: WorkerLoad | None = None) -> WorkerView:
-        return cls(
-            worker_id=worker_id,
-            role=str(info.get("role", "")),
-            free_blocks=int(info.get("free_blocks", 0)),
-            num_blocks=max(int(info.get("num_blocks", 1)), 1),
-            running=int(info.get("running", 0)),
-            waiting=int(info.get("waiting", 0)),
-            healthy=bool(info.get("healthy", True)),
-            draining=bool(info.get("draining", False)),
-            load=load or WorkerLoad(),
-        )
-
-
-def decode_with_room(
-    workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()
-) -> list[WorkerView]:
-    """The live decode workers with room for `blocks_needed` blocks."""
-    return [w for w in live(workers, "decode", exclude) if w.free >= blocks_needed]
-
-
-def live(workers: Sequence[WorkerView], role: str, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
-    """The healthy, non-draining workers of `role`, but those in `exclude`."""
-    return [w for w in workers if w.role == role and w.healthy and not w.draining and w.worker_id not in exclude]
-
-
-def pick_decode(workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()) -> str | None:
-    """The decode worker with room for `blocks_needed` blocks that has the fewest streams in
-    flight, then the most free blocks. None when none has room."""
-    fits = decode_with_room(workers, blocks_needed, exclude)
-    if not fits:
-        return None
-    return min(fits, key=lambda w: (w.streams, -w.free, w.worker_id)).worker_id
-
-
-def prefill_eta(w: WorkerView, cached_tokens: int, prompt_tokens: int) -> float:
-    """Estimated seconds until `w` has computed this prompt (the first token's time, roughly)."""
-    uncached = max(prompt_tokens - cached_tokens, 1)  # a fully cached prompt still computes its last token
-    return (w.load.prefill_tokens + uncached) * w.load.prefill_s_per_token
-
-
-def pick_prefill(
-    workers: Sequence[WorkerView],
-    cached_blocks: Mapping[str, int],
-    prompt_tokens: int = 0,
-    block_size: int = 1,
-    exclude: frozenset[str] = frozenset(),
-) -> str | None:
-    """The prefill worker with the earliest estimated first token (`prefill_eta`); ties go to
-    the longer cached prefix, then the shorter queue."""
-    prefills = live(workers, "prefill", exclude)
-    if not prefills:
-        return None
-
-    def key(w: WorkerView) -> tuple[float, int, int, str]:
-        cached = min(cached_blocks.get(w.worker_id, 0) * block_size, prompt_tokens)
-        return (prefill_eta(w, cached, prompt_tokens), -cached, w.waiting + w.running, w.worker_id)
-
-    return min(prefills, key=key).worker_id
+from cluster.worker_view import WorkerView, live, pick_colocated, pick_decode, pick_local, pick_prefill, prefill_eta
 
 
 @dataclass(frozen=True)
@@ -138,6 +48,16 @@ class RoutingPolicy:
     the decode worker's streams. Lower, and a prefill-heavy load moves its prefills into the
     decode steps and their TPOT (measured: 256 let 1 request in 8 miss a 2x TPOT SLO).
 
+    overflow_below_tokens: a prompt whose uncached part on a decode worker is shorter than this
+    runs whole on that decode worker when the prefill worker it would go to has
+    `busy_prefill_tokens` queued and the decode worker's own queue (the prompts sent to run whole
+    there, not yet at their first token) would give it its first token sooner (`prefill_eta` on
+    both). Prefill-heavy traffic then prefills on the decode workers' cores too, as colocated
+    serving does, while the prefill pool is backlogged; light traffic stays disaggregated. The
+    bound is the stall a prefill puts on the decode worker's streams: 1024 tokens is about a
+    second on one CPU core, so a 2K-token document always goes to the prefill pool. 0 turns it
+    off.
+
     spill_streams: the decode worker's streams over the prefill worker's from which a prompt
     shorter than `local_below_tokens` runs whole on the prefill worker (0, the default, turns
     spilling off; 2 is what was measured, README "P/D vs colocated"),
@@ -160,6 +80,7 @@ class RoutingPolicy:
     colocate_below_tokens: int = 0
     local_below_tokens: int = 256
     busy_prefill_tokens: int = 1024
+    overflow_below_tokens: int = 0
     spill_streams: int = 0
     spill_stall_s: float = 0.5
     cross_pool: bool = True
@@ -167,8 +88,8 @@ class RoutingPolicy:
     def __post_init__(self) -> None:
         if self.colocate_below_tokens < 0:
             raise ValueError("colocate_below_tokens must be >= 0")
-        if self.local_below_tokens < 0 or self.busy_prefill_tokens < 0:
-            raise ValueError("local_below_tokens and busy_prefill_tokens must be >= 0")
+        if self.local_below_tokens < 0 or self.busy_prefill_tokens < 0 or self.overflow_below_tokens < 0:
+            raise ValueError("local_below_tokens, busy_prefill_tokens and overflow_below_tokens must be >= 0")
         if self.spill_streams < 0 or self.spill_stall_s < 0:
             raise ValueError("spill_streams and spill_stall_s must be >= 0")
 
@@ -195,36 +116,30 @@ class Route:
         return frozenset(w for w in (self.prefill, self.decode) if w is not None)
 
 
-def pick_colocated(
-    workers: Sequence[WorkerView], blocks_needed: int, exclude: frozenset[str] = frozenset()
-) -> str | None:
-    """As `pick_decode`, over the colocated pool."""
-    as_decode = [replace(w, role="decode") for w in workers if w.role == "colocated"]
-    return pick_decode(as_decode, blocks_needed, exclude)
-
-
-def pick_local(
+def overflows(
     workers: Sequence[WorkerView],
+    prefill: WorkerView,
     cached_blocks: Mapping[str, int],
     prompt_tokens: int,
     blocks_needed: int,
     block_size: int,
-    below_tokens: int,
+    policy: RoutingPolicy,
     exclude: frozenset[str] = frozenset(),
-) -> tuple[str, int] | None:
-    """The decode worker with room (as `pick_decode`) holding the longest cached prefix of the
-    prompt (none is fine), with fewer than `below_tokens` tokens left to prefill, and that
-    prefix; ties go to the fewest streams, then the most free blocks. None when no decode worker
-    qualifies."""
-    best: tuple[tuple[int, int, int, str], str, int] | None = None
-    for w in decode_with_room(workers, blocks_needed, exclude):
-        cached = min(cached_blocks.get(w.worker_id, 0) * block_size, prompt_tokens)
-        if prompt_tokens - cached >= below_tokens:
-            continue
-        key = (-cached, w.streams, -w.free, w.worker_id)
-        if best is None or key < best[0]:
-            best = (key, w.worker_id, cached)
-    return None if best is None else (best[1], best[2])
+) -> Route | None:
+    """The whole request on a decode worker instead of `prefill`, when that is busy and the decode
+    worker gets the prompt to its first token sooner (see RoutingPolicy.overflow_below_tokens)."""
+    if not policy.overflow_below_tokens or prefill.load.prefill_tokens < policy.busy_prefill_tokens:
+        return None
+    found = pick_local(
+        workers, cached_blocks, prompt_tokens, blocks_needed, block_size, policy.overflow_below_tokens, exclude
+    )
+    if found is None:
+        return None
+    decode = next(w for w in workers if w.worker_id == found[0])
+    cached = min(cached_blocks.get(prefill.worker_id, 0) * block_size, prompt_tokens)
+    if prefill_eta(decode, found[1], prompt_tokens) >= prefill_eta(prefill, cached, prompt_tokens):
+        return None
+    return Route(decode=decode.worker_id, cached_tokens=found[1], local=True)
 
 
 def spills(prefill: WorkerView, decode: WorkerView, uncached: int, blocks_needed: int, policy: RoutingPolicy) -> bool:
@@ -269,6 +184,10 @@ def plan_route(
         and (local.cached_tokens > cached or by_id[prefill].load.prefill_tokens >= policy.busy_prefill_tokens)
     ):
         return local
+    if prefill is not None:
+        over = overflows(workers, by_id[prefill], cached_blocks, prompt_tokens, blocks, block_size, policy, exclude)
+        if over is not None:
+            return over
     colocated = pick_colocated(workers, blocks, exclude)
     if colocated is not None and prompt_tokens - cached < policy.colocate_below_tokens:
         return Route(decode=colocated)

@@ -86,6 +86,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(0: off; default: RoutingPolicy's)",
     )
     ap.add_argument(
+        "--overflow-below",
+        type=int,
+        default=None,
+        help="uncached prompt tokens under which a prompt runs whole on a decode worker while the prefill worker "
+        "is backlogged and the decode worker would reach its first token sooner (0: off; default: RoutingPolicy's)",
+    )
+    ap.add_argument(
         "--spill-streams",
         type=int,
         default=None,

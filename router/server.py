@@ -43,7 +43,8 @@ def _progress(cluster: Any, done: threading.Event, started: float) -> None:
 
 
 FLAGS = {"max_running": "--max-running", "queue_timeout_s": "--queue-timeout", "colocate_below_tokens":
-         "--colocate-below", "local_below_tokens": "--local-below", "spill_streams": "--spill-streams"}  # fmt: skip
+         "--colocate-below", "local_below_tokens": "--local-below", "overflow_below_tokens": "--overflow-below",
+         "spill_streams": "--spill-streams"}  # fmt: skip
 
 
 def _settings(args: argparse.Namespace) -> RouterSettings:
@@ -58,6 +59,7 @@ def _settings(args: argparse.Namespace) -> RouterSettings:
             queue_timeout_s=args.queue_timeout,
             colocate_below_tokens=args.colocate_below,
             **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),
+            **({"overflow_below_tokens": args.overflow_below} if args.overflow_below is not None else {}),
             **({"spill_streams": args.spill_streams} if args.spill_streams is not None else {}),
             **({"cross_pool": False} if args.no_cross_pool else {}),
             allow_loopback_admin=args.allow_loopback_admin,

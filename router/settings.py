@@ -40,6 +40,7 @@ class RouterSettings(BaseModel):
     max_replicas: int = Field(default=64, ge=1)
     colocate_below_tokens: int = Field(default=0, ge=0)
     local_below_tokens: int = Field(default=RoutingPolicy.local_below_tokens, ge=0)  # see RoutingPolicy
+    overflow_below_tokens: int = Field(default=RoutingPolicy.overflow_below_tokens, ge=0)  # see RoutingPolicy
     spill_streams: int = Field(default=RoutingPolicy.spill_streams, ge=0)  # see RoutingPolicy
     cross_pool: bool = RoutingPolicy.cross_pool  # see RoutingPolicy
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
@@ -52,6 +53,7 @@ class RouterSettings(BaseModel):
         return RoutingPolicy(
             colocate_below_tokens=self.colocate_below_tokens,
             local_below_tokens=self.local_below_tokens,
+            overflow_below_tokens=self.overflow_below_tokens,
             spill_streams=self.spill_streams,
             cross_pool=self.cross_pool,
         )

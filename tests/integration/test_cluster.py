@@ -242,6 +242,34 @@ def test_a_short_prompt_spills_whole_to_the_prefill_worker(cluster: Cluster, eng
     until(lambda: cluster.ledger.num_holds == 0, 10, "the two unused routes' holds to lapse")
 
 
+def test_a_prompt_overflows_whole_to_the_decode_worker_while_prefill_is_backlogged(
+    cluster: Cluster, engine_fp32: Engine
+) -> None:
+    """With the prefill worker backlogged (here two long prompts' routes just picked, each held in
+    the ledger), a prompt under `overflow_below_tokens` runs whole on the decode worker: a cold
+    run's tokens, no KV moved; its tokens sit in the decode worker's prefill queue until its
+    first token, and every block is freed after. (The ETA comparison is unit-tested.)"""
+    text = "Summarize: " + " ".join(f"The river number {i} runs east to the sea." for i in range(40))
+    ids = chat(engine_fp32, text)
+    assert 256 <= len(ids) < 1024, len(ids)
+    long_ids = ids * 3
+    policy = RoutingPolicy(overflow_below_tokens=1024)
+    assert all(cluster.route(long_ids, GREEDY, policy=policy).prefill is not None for _ in range(2))
+    over = cluster.route(ids, GREEDY, policy=policy)
+    assert over.local and over.prefill is None
+    assert {w["worker_id"]: w["role"] for w in cluster.workers()}[over.decode] == "decode"
+    run = cluster.generate(ids, GREEDY, route=over)
+    outs = [next(run)]
+    assert cluster.ledger.load(over.decode).prefill_tokens == 0  # out of the queue at its first token
+    outs += list(run)
+    placement = outs[0].placement
+    assert placement is not None and placement.prefill_worker == placement.decode_worker == over.decode
+    assert placement.transfer_bytes == 0
+    assert tokens_of(outs) == engine_fp32.generate([ids], GREEDY)[0].token_ids
+    cluster.check_integrity()
+    until(lambda: cluster.ledger.num_holds == 0, 10, "the two unused routes' holds to lapse")
+
+
 def test_write_back_puts_the_answer_in_the_prefill_workers_cache(cluster: Cluster, engine_fp32: Engine) -> None:
     """Option (b) of multi-turn reuse: after a P/D turn, the decode worker copies the answer's KV to
     the prefill worker; turn 2 on P/D (local route off) then prefills only its new message there."""

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cluster import NoWorkerError, WorkerDiedError
 from cluster.outputs import Placement, StreamOutput
-from cluster.routing import Route, WorkerView, plan_route
+from cluster.routing import Route, plan_route
+from cluster.worker_view import WorkerView
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer

@@ -80,7 +80,8 @@ def test_a_hold_counts_until_begin_takes_it_over_or_it_lapses() -> None:
 
 
 def test_a_burst_routed_before_any_start_still_splits_evenly() -> None:
-    from cluster.routing import WorkerView, plan_route
+    from cluster.routing import plan_route
+    from cluster.worker_view import WorkerView
 
     led = InflightLedger()
     routes = []

@@ -7,17 +7,8 @@ from dataclasses import replace
 import pytest
 
 from cluster.inflight import InflightLedger, WorkerLoad
-from cluster.routing import (
-    Route,
-    RoutingPolicy,
-    WorkerView,
-    pick_colocated,
-    pick_decode,
-    pick_local,
-    pick_prefill,
-    plan_route,
-    prefill_eta,
-)
+from cluster.routing import Route, RoutingPolicy, plan_route
+from cluster.worker_view import WorkerView, pick_colocated, pick_decode, pick_local, pick_prefill, prefill_eta
 from router.serve_args import parse
 from router.settings import RouterSettings
 
@@ -252,6 +243,42 @@ def test_a_short_prompt_spills_to_an_idle_prefill_worker_when_decode_has_the_str
     assert plan_route([w("p1", "prefill", free=2), d1], {}, 40, 24, 16, on) == Route("d1", "p1")  # no room on p1
     with pytest.raises(ValueError):
         RoutingPolicy(spill_streams=-1)
+
+
+def test_a_prompt_overflows_to_a_decode_worker_while_the_prefill_worker_is_backlogged() -> None:
+    """With overflow_below_tokens, a prompt under it runs whole on a decode worker while the
+    prefill worker has busy_prefill_tokens queued and the decode worker's own queue gets it to
+    its first token sooner; light load, a long prompt, or a decode worker as backlogged keep it
+    disaggregated."""
+    on = RoutingPolicy(overflow_below_tokens=1024)
+    d1 = w("d1", "decode", running=2)
+
+    def p1(queued: int) -> WorkerView:
+        return w("p1", "prefill", load=WorkerLoad(prefill_tokens=queued, prefill_s_per_token=1e-3))
+
+    assert plan_route([p1(4000), d1], {}, 600, 16, 16) == Route("d1", "p1")  # off by default
+    assert plan_route([p1(1023), d1], {}, 600, 16, 16, on) == Route("d1", "p1")  # not backlogged
+    assert plan_route([p1(1024), d1], {}, 600, 16, 16, on) == Route("d1", local=True)
+    assert plan_route([p1(8000), d1], {}, 1024, 16, 16, on) == Route("d1", "p1")  # too long: the stall
+    queued = WorkerLoad(streams=2, prefill_tokens=1024, prefill_s_per_token=1e-3)  # as much as p1 has
+    assert plan_route([p1(1024), w("d1", "decode", load=queued)], {}, 600, 16, 16, on) == Route("d1", "p1")
+    assert plan_route([p1(1024), w("d1", "decode", load=replace(queued, prefill_tokens=1023))], {}, 600, 16, 16,
+                      on) == Route("d1", local=True)  # fmt: skip
+    # the decode worker with the prompt's prefix, which it then need not prefill
+    d2 = w("d2", "decode")
+    assert plan_route([p1(1024), d1, d2], {"d1": 32}, 600, 16, 16, on) == Route("d1", cached_tokens=512, local=True)
+    # a route that runs whole on a worker queues its prompt there until its first token
+    led = InflightLedger()
+    led.begin("a", "d1", None, 38, 600)
+    led.check_integrity()
+    assert led.load("d1").prefill_tokens == 600
+    led.prefilled("a")
+    led.check_integrity()
+    assert led.load("d1").prefill_tokens == 0
+    with pytest.raises(ValueError):
+        RoutingPolicy(overflow_below_tokens=-1)
+    assert RouterSettings(overflow_below_tokens=512).routing_policy.overflow_below_tokens == 512
+    assert parse(["--overflow-below", "512"]).overflow_below == 512 and parse([]).overflow_below is None
 
 
 def test_tandem_serve_can_turn_cross_pool_off() -> None:
