@@ -100,6 +100,7 @@ class Plan:
     probe_requests: int  # per request class
     num_blocks: int = 1024
     max_prefill_chunk: int | None = None  # EngineConfig's (None: its default)
+    speculative: str = ""  # EngineConfig's: off here unless asked (`tandem serve` defaults to suffix)
 
     def __post_init__(self) -> None:
         if len({s.cores for s in self.systems}) != 1:
@@ -142,6 +143,17 @@ def base_rate(mix: Mix, alone: Mapping[str, Unloaded]) -> float:
     return 1.0 / sum(share * alone[shape.name].e2e_s for share, shape in mix.classes)
 
 
+def engine_config(system: System, plan: Plan) -> EngineConfig:
+    """What each worker of `system` runs in `plan`."""
+    return EngineConfig(
+        num_blocks=plan.num_blocks,
+        num_threads=system.threads,
+        max_prefill_chunk=plan.max_prefill_chunk,
+        lend_cores=system.lend_cores,
+        speculative=plan.speculative,
+    )
+
+
 def run_system(
     system: System,
     plan: Plan,
@@ -160,12 +172,7 @@ def run_system(
         prefill=system.prefill,
         decode=system.decode,
         colocated=system.colocated,
-        engine=EngineConfig(
-            num_blocks=plan.num_blocks,
-            num_threads=system.threads,
-            max_prefill_chunk=plan.max_prefill_chunk,
-            lend_cores=system.lend_cores,
-        ),
+        engine=engine_config(system, plan),
     )
     out: dict[str, MixRun] = {}
     with running_cluster(config) as cluster, serving(cluster, False, **dict(system.router)) as url:
@@ -200,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--max-prefill-chunk", type=int, default=None, help="every worker's (0: the whole budget)")
+    ap.add_argument("--speculative", choices=["off", "ngram", "suffix"], default="off",
+                    help="every worker's speculative decoding (tandem serve's default is suffix)")  # fmt: skip
     ap.add_argument("--spill-too", action="store_true", help="also run P/D with the spill route on, same rates")
     ap.add_argument("--overflow-too", action="store_true", help="also run P/D with the overflow route on, same rates")
     ap.add_argument("--static-cores-too", action="store_true", help="also run each system of several workers "
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--system: name a colocated system and the P/D one (the SLOs come from colocated)")
     if args.max_prefill_chunk is not None:
         plan = replace(plan, max_prefill_chunk=args.max_prefill_chunk)
+    if args.speculative != "off":
+        plan = replace(plan, speculative=args.speculative)
     if args.spill_too:
         plan = replace(plan, systems=(*plan.systems, PD_SPILL))
     if args.overflow_too:
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     res = evaluate(measured, plan, scales)
     meta = {"quick": args.quick, "seed": args.seed, "elapsed_s": time.monotonic() - t0, "cores": plan.systems[0].cores,
             "systems": [{**vars(s), "cores": s.cores} for s in plan.systems], "base_rps": base,
-            "max_prefill_chunk": plan.max_prefill_chunk}  # fmt: skip
+            "max_prefill_chunk": plan.max_prefill_chunk, "speculative": plan.speculative or "off"}  # fmt: skip
     files: list[str] = []
     if args.out:
         out = Path(args.out)

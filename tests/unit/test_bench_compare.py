@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare import COLOCATED_1X2, COLOCATED_2X1, FULL, PD, QUICK, System, base_rate
+from bench.compare import COLOCATED_1X2, COLOCATED_2X1, FULL, PD, QUICK, System, base_rate, engine_config, static_cores
 from bench.compare_report import MixRun, class_slo, evaluate, print_report, write_plots
 from bench.stats import SLO, ClassSLO, RequestResult, attainment, goodput
 from bench.sweep import Point, Unloaded
@@ -84,6 +84,13 @@ def test_every_plan_compares_equal_cores() -> None:
     assert PD.cores == COLOCATED_1X2.cores == COLOCATED_2X1.cores == 2
     with pytest.raises(ValueError, match="equal cores"):
         replace(QUICK, systems=(COLOCATED_1X2, System("P/D 2t", 1, 1, 0, 2)))
+
+
+def test_each_worker_runs_the_systems_threads_and_the_plans_speculation() -> None:
+    config = engine_config(PD, QUICK)
+    assert (config.num_threads, config.num_blocks, config.lend_cores, config.speculative) == (1, 512, True, "")
+    assert not engine_config(static_cores(PD), QUICK).lend_cores
+    assert engine_config(COLOCATED_1X2, replace(FULL, speculative="suffix")).speculative == "suffix"
 
 
 def point(rate: float, chat_ttft: float) -> Point:
