@@ -1,22 +1,12 @@
 """`tandem bench planner`: the simulator (planner.simulator) against what `tandem bench compare`
 measured, and the simulator's speed at cluster scale.
 
-validation  For each mix and system of a compare.json (colocated 1 worker x 2 threads, P/D 1P+1D
-            x 1 thread), each measured rate is replayed in the simulator on the very requests and
-            arrival times the sweep sent (bench.workloads.make_items and bench.loadgen.arrivals with
-            the sweep's seeds; prompts counted with the chat template), on the profile of a worker
-            with that many threads. Goodput = bench.stats.max_rate_meeting over those points, with
-            the measured per-class SLOs, as the compare computes it. Error = |simulated - measured|
-            / measured. How much slower a worker runs in the cluster than the profile's engine
-            alone (the router, Ray and streaming on the same cores) is calibrated on the compare's
-            own unloaded probes: the probe requests run alone in the simulator; the measured median
-            TTFT over the simulated one scales the prefill costs (never below 1), and the measured
-            median TPOT less the simulated one is added to every decode step (never below 0): the
-            serving path's cost a step (outboxes, feeds, the router's tokens) does not grow with the
-            engine's work as a scale would have it (a scale put colocated 1x2t's decode-heavy goodput
-            at 0.72 req/s where 1.35 was measured). No loaded point is used to calibrate.
-            Without --compare it runs `tandem bench compare --quick` on the two mixes first;
-            without profiles it measures them (`tandem profile`, 1 and 2 threads).
+validation  Each mix and system of a compare.json, each measured rate replayed in the simulator
+            on the very requests and arrival times the sweep sent: simulated vs measured goodput
+            and its error (bench/replay.py). Without --compare it runs `tandem bench compare
+            --quick` on the two mixes first; without profiles it measures them (`tandem profile`,
+            1 and 2 threads); --profile-busy-peer models workers that share a host while both
+            are busy.
 scale       1,000 workers (500 prefill H100 + 500 decode H200, a Llama-3.1-8B roofline) and 1M
             chat requests: the wall time of one simulation (--no-scale skips it).
 
@@ -33,140 +23,27 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.compare import FULL, MIX_SEED_STRIDE, QUICK
 from bench.json_out import print_json, sub_command
-from bench.loadgen import arrivals
-from bench.stats import max_rate_meeting
-from bench.sweep import PROBE_SALT
-from bench.workloads import MIXES, Mix, WorkItem, make_items
-from engine.config import ModelConfig
+from bench.replay import VALIDATED, Row, replay
+from bench.workloads import MIXES
 from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer
-from planner.kinds import CPU_HANDOFF_FIXED_S, model_config
+from planner.kinds import model_config
 from planner.profile import EngineProfile
 from planner.roofline import ModelShape
-from planner.search import Handoff, NodeKind, attainment, colocated
-from planner.simulator import ClusterSpec, WorkerSpec, simulate
-from planner.slo import SLO
-from planner.step_costs import StepCosts
-from planner.trace import Trace, synthetic
-
-VALIDATED = ("prefill_heavy", "decode_heavy")
-
-
-@dataclass(frozen=True)
-class Row:
-    mix: str
-    system: str
-    measured: float
-    simulated: float
-    prefill_scale: float = 1.0
-    decode_offset_s: float = 0.0  # added to every decode step
-    attainment: tuple[tuple[float, float, float], ...] = ()  # (rate, measured, simulated) a point
-
-    @property
-    def error(self) -> float | None:
-        """|simulated - measured| / measured; 0 where both are 0 (no rate met the SLO on either
-        side), None where only the measurement is 0 (no relative error is defined)."""
-        if self.measured:
-            return abs(self.simulated - self.measured) / self.measured
-        return 0.0 if self.simulated == 0 else None
-
-
-def _spec(
-    system: dict[str, Any], profiles: dict[int, EngineProfile], kv_tokens: int, config: ModelConfig
-) -> ClusterSpec:
-    """`system` as the simulator's cluster, its workers on the profile of their threads; workers
-    that lent each other their cores (`lend_cores`, on since engine/core_ledger.py; a compare from
-    before has no such key) share one host, lent the profile of all its cores."""
-    profile = profiles[system["threads"]]
-    lent = profiles.get(system["cores"]) if system.get("lend_cores") else None
-    worker = WorkerSpec(StepCosts.fit(profile), kv_tokens)
-    if lent is not None and system["cores"] > system["threads"]:
-        worker = replace(worker, host=0, lent=StepCosts.fit(lent))
-    if system["colocated"]:
-        return colocated(NodeKind(system["name"], worker), system["colocated"])
-    gbps = profile.transfer_gbps.get("grpc", 1.0)
-    kv_per_token = ModelShape.of(config, profile.dtype, profile.kv_dtype).kv_bytes_per_token
-    return ClusterSpec((worker,) * system["prefill"], (worker,) * system["decode"], (),
-                       CPU_HANDOFF_FIXED_S, kv_per_token / (gbps * 1e9))  # fmt: skip
-
-
-def replay(compare: dict[str, Any], profiles: dict[int, EngineProfile], tok: Tokenizer) -> list[Row]:
-    """Simulated vs measured goodput for each validated mix and system of `compare` (see above)."""
-    plan = QUICK if compare["meta"]["quick"] else FULL
-    seed = compare["meta"]["seed"]
-    kv_tokens = plan.num_blocks * 16
-    config = model_config(str(default_model_path()))  # once: it reads the checkpoint
-    rows = []
-    for name in VALIDATED:
-        if name not in compare:
-            continue
-        mix_seed = seed + MIX_SEED_STRIDE * list(FULL.mixes).index(name)
-        slo = {c: SLO(s["ttft_s"], s["tpot_s"]) for c, s in compare[name]["slo"]["classes"].items()}
-        for system in compare["meta"]["systems"]:
-            measured = compare[name]["systems"][system["name"]]
-            spec = _spec(system, profiles, kv_tokens, config)
-            scales = _calibration(spec, plan.mixes[name], measured["unloaded"], mix_seed, plan.probe_requests, tok)
-            spec = _scaled(spec, *scales)
-            points, pairs = [], []
-            for j, point in enumerate(measured["points"]):
-                i = point.get("index", j)  # the sweep's seed and salt offset (older runs: the position)
-                items = make_items(plan.mixes[name], point["requests"], seed=mix_seed + i, salt=i)
-                at = arrivals(len(items), point["rate"], "poisson", mix_seed + i)
-                prompts = _prompt_tokens(tok, items)
-                requests = zip(at, prompts, items, strict=True)
-                trace = Trace.of([(a, p, 0, it.max_tokens, it.cls) for a, p, it in requests])
-                points.append((point["rate"], attainment(trace, simulate(spec, trace), slo)))
-                pairs.append((point["rate"], point["attainment"], points[-1][1]))
-            goodput = max_rate_meeting(points)
-            rows.append(Row(name, system["name"], measured["goodput_rps"], goodput, *scales, tuple(pairs)))
-    return rows
-
-
-def _prompt_tokens(tok: Tokenizer, items: list[WorkItem]) -> list[int]:
-    return [len(tok.encode(tok.apply_chat_template(it.message_dicts()))) for it in items]
-
-
-def _calibration(
-    spec: ClusterSpec, mix: Mix, unloaded: dict[str, Any], seed: int, n: int, tok: Tokenizer
-) -> tuple[float, float]:
-    """(prefill scale, decode offset in seconds a step): each class's probe requests (as
-    bench.sweep.probe sends them, one at a time) simulated alone; the measured median TTFT over
-    the simulated one (at least 1), the measured median TPOT less the simulated one (at least 0),
-    averaged over the classes by share."""
-    prefill = decode = 0.0
-    for share, shape in mix.classes:
-        items = make_items(shape, 2 + n, seed=seed, salt=PROBE_SALT)[2:]
-        alone = [(1000.0 * i, p, 0, it.max_tokens, shape.name) for i, (p, it) in
-                 enumerate(zip(_prompt_tokens(tok, items), items, strict=True))]  # fmt: skip
-        out = simulate(spec, Trace.of(alone))
-        prefill += share * max(1.0, unloaded[shape.name]["ttft_s"] / statistics.median(out.ttft))
-        decode += share * max(0.0, unloaded[shape.name]["tpot_s"] - statistics.median(out.tpot))
-    return prefill, decode
-
-
-def _scaled(spec: ClusterSpec, prefill: float, decode_offset_s: float) -> ClusterSpec:
-    def costs(c: StepCosts) -> StepCosts:
-        return replace(c.scaled(prefill, 1.0), d0=c.d0 + decode_offset_s)
-
-    def one(w: WorkerSpec) -> WorkerSpec:
-        return replace(w, costs=costs(w.costs), lent=costs(w.lent) if w.lent is not None else None)
-
-    return replace(spec, prefill=tuple(map(one, spec.prefill)), decode=tuple(map(one, spec.decode)),
-                   colocated=tuple(map(one, spec.colocated)))  # fmt: skip
+from planner.search import Handoff
+from planner.simulator import simulate
+from planner.trace import synthetic
 
 
 def scale_seconds(requests: int = 1_000_000, workers: int = 1000) -> float:
     """Wall time of one simulation of `requests` chat requests on workers/2 prefill H100s and
     workers/2 decode H200s serving Llama-3.1-8B (roofline profiles), at 70% of their capacity."""
     from planner.hardware import known
-    from planner.kinds import from_hardware, model_config
-    from planner.roofline import ModelShape
+    from planner.kinds import from_hardware
 
     config, hw = model_config("llama-3.1-8b"), known()
     h100 = from_hardware(hw["H100-SXM"], config, "llama-3.1-8b", "bf16", "bf16", 0.0, workers // 2)
@@ -196,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", help="a `tandem bench compare --json` result (default: run it, quick)")
     ap.add_argument("--profile-1t", help="`tandem profile --threads 1` JSON (default: measure it)")
     ap.add_argument("--profile-2t", help="`tandem profile --threads 2` JSON (default: measure it)")
+    ap.add_argument("--profile-busy-peer", help="`tandem profile --threads 1 --beside-busy-peer` JSON: the "
+                    "1-thread workers of a host while a peer is busy (default: not modeled)")  # fmt: skip
     ap.add_argument("--no-scale", action="store_true", help="skip the 1,000-worker, 1M-request timing")
     ap.add_argument("--load-step", action="store_true", help="also the autoscaler's load step (live, minutes)")
     ap.add_argument("--no-validation", action="store_true", help="skip the replay of a compare")
@@ -244,7 +123,8 @@ def _validate(args: argparse.Namespace, out: Path, report: dict[str, Any]) -> li
         with sub_command():
             compare_main(["--quick", *mixes, "--out", str(out), "--no-progress", "--json"])
         compare = json.loads((out / "compare.json").read_text())
-    rows = replay(compare, _profiles(args, out), Tokenizer.load(default_model_path()))
+    busy_peer = EngineProfile.load(args.profile_busy_peer) if args.profile_busy_peer else None
+    rows = replay(compare, _profiles(args, out), Tokenizer.load(default_model_path()), busy_peer)
     points = [{"mix": r.mix, "system": r.system, "measured_rps": r.measured, "simulated_rps": r.simulated,
                "error": r.error, "prefill_scale": r.prefill_scale, "decode_offset_ms": 1e3 * r.decode_offset_s,
                "attainment": [{"rate": a, "measured": m, "simulated": s} for a, m, s in r.attainment]}

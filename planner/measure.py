@@ -1,15 +1,25 @@
 """`tandem profile`: measure this machine's engine profile (prefill time by uncached and cached
 tokens, decode step time by batch and context, KV transfer GB/s per transport), save it as JSON
-and in Redis under its node class; `--compare` sets the roofline estimator beside it."""
+and in Redis under its node class; `--compare` sets the roofline estimator beside it.
+
+`--beside-busy-peer` measures the same grid while a second engine of the same threads decodes a
+batch without pause on the host's other cores: what a worker's steps cost while a peer on its
+host is busy too (memory bandwidth and caches are shared, cores are not). The simulator uses it
+for workers that share a host (planner.simulator, WorkerSpec.contended).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -18,6 +28,7 @@ from bench.json_out import print_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
+from engine.sampling_params import SamplingParams
 from planner.hardware import measure_cpu
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint, store
 from planner.roofline import attention_dtype, estimate, relative_errors
@@ -66,6 +77,45 @@ def measure_profile(engine: Engine, grid: Grid, node_class: str, model: str) -> 
     return EngineProfile(node_class, "measured", model, cfg.weight_dtype, kv, tuple(prefill), tuple(decode))
 
 
+PEER_BATCH = 8  # the busy peer's streams: a decode batch as a loaded worker runs
+PEER_PROMPT = 128
+PEER_SOURCE = "measured beside a busy peer"
+
+
+def _peer(path: str, config: EngineConfig, ready: Any, stop: Any) -> None:
+    """The busy peer (a process of its own): decodes PEER_BATCH streams, over and over."""
+    torch.set_num_threads(config.num_threads or 1)
+    engine = Engine.from_path(path, config)
+    vocab = engine.model.config.vocab_size
+    prompts = [_tokens(10**6 + i, PEER_PROMPT, vocab) for i in range(PEER_BATCH)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    engine.generate(prompts, params)  # cached from here on: each round is 64 decode steps
+    ready.set()
+    while not stop.is_set():
+        engine.generate(prompts, params)
+
+
+@contextlib.contextmanager
+def busy_peer(path: str, config: EngineConfig) -> Iterator[None]:
+    """A second engine with `config` decoding in its own process while the block runs. Raises
+    RuntimeError if it dies before it starts decoding."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_peer, args=(path, config, ready, stop), name="tandem-busy-peer", daemon=True)
+    proc.start()
+    try:
+        while not ready.wait(1.0):  # as long as its model takes to load
+            if not proc.is_alive():
+                raise RuntimeError(f"the busy peer exited ({proc.exitcode}) before it decoded")
+        yield
+    finally:
+        stop.set()
+        proc.join(30.0)  # a round of 64 steps, then it sees `stop`
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 def default_node_class() -> str:
     if name := os.environ.get("TANDEM_NODE_CLASS"):
         return name
@@ -90,15 +140,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--namespace", default=os.environ.get("TANDEM_NAMESPACE", "default"))
     ap.add_argument("--transports", default="grpc,shm", help="KV transfer GB/s to measure ('' skips)")
     ap.add_argument("--quick", action="store_true", help="a small grid (a smoke check)")
+    ap.add_argument("--beside-busy-peer", action="store_true", help="measure while a second engine of the same "
+                    "threads decodes on the other cores (its node class gets ':busy-peer')")  # fmt: skip
     ap.add_argument("--compare", action="store_true", help="print the roofline estimate of this CPU beside it")
     ap.add_argument("--json", action="store_true", help="print the profile (and the comparison) as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = args.model or str(default_model_path())
-    node_class = args.node_class or default_node_class()
-    engine = Engine.from_path(path, EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype, num_blocks=2048))
-    profile = measure_profile(engine, QUICK if args.quick else FULL, node_class, os.path.basename(path))
+    node_class = (args.node_class or default_node_class()) + (":busy-peer" if args.beside_busy_peer else "")
+    config = EngineConfig(dtype=args.dtype, kv_dtype=args.kv_dtype, num_blocks=2048)
+    engine = Engine.from_path(path, config)
+    grid = QUICK if args.quick else FULL
+    if args.beside_busy_peer:
+        with busy_peer(path, replace(config, num_threads=args.threads, num_blocks=256)):
+            profile = replace(measure_profile(engine, grid, node_class, os.path.basename(path)), source=PEER_SOURCE)
+    else:
+        profile = measure_profile(engine, grid, node_class, os.path.basename(path))
     transports = [t for t in args.transports.split(",") if t]
     if transports:
         from planner.transfer_profile import transfer_gbps

@@ -12,9 +12,11 @@
 
 Workers of one host (WorkerSpec.host >= 0) lend each other their cores while idle, as
 engine/core_ledger.py does: a step that starts while every other worker of its host is idle costs
-`lent` (the profile with all the host's threads), any other `costs`. (With more than two workers
-a host, the ledger also lends some idle cores to each of several busy workers; this model lends
-only to a worker that is busy alone.)
+`lent` (the profile with all the host's threads), one that starts while a peer is busy costs
+`contended` (the profile measured beside a busy peer: `tandem profile --beside-busy-peer`; the
+peers share memory bandwidth and caches), any other `costs`. (With more than two workers a host,
+the ledger also lends some idle cores to each of several busy workers; this model lends only to
+a worker that is busy alone.)
 
 Routing: the least loaded worker of the pool (prefill: queued uncached tokens; decode: reserved
 KV tokens; colocated: queued prefill tokens, then reserved KV), of all when a pool has up to
@@ -49,6 +51,7 @@ class WorkerSpec:
     prefill_chunk: int = 512  # tokens of one prompt a step (EngineConfig.prefill_chunk on the CPU); 0: the budget
     host: int = -1  # workers with the same host >= 0 share its cores; -1: a host of its own
     lent: StepCosts | None = None  # with a host: its costs on all the host's cores (its peers idle)
+    contended: StepCosts | None = None  # with a host: its costs while a peer there is busy too
 
 
 @dataclass(frozen=True)
@@ -208,8 +211,10 @@ class Simulator:
             w.busy = False
             return
         w.busy = True
-        alone = spec.host >= 0 and not any(p.busy for p in w.peers)
-        costs = spec.lent if alone and spec.lent is not None else spec.costs
+        costs = spec.costs
+        if spec.host >= 0:
+            shared = any(p.busy for p in w.peers)
+            costs = (spec.contended if shared else spec.lent) or costs
         seconds = costs.mixed(w.batch, w.context, tokens, attention)
         self.seq += 1
         heapq.heappush(self.events, (self.now + seconds, self.seq, _STEP, w))

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from bench.compare import QUICK
-from bench.planner_bench import main, replay
+from bench.planner_bench import main
+from bench.replay import replay
 from engine.tokenizer import Tokenizer
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint
 from planner.step_costs import StepCosts
@@ -42,7 +43,7 @@ def test_replay_simulates_each_measured_point(smollm_tokenizer: Tokenizer) -> No
 
 def test_workers_that_lent_their_cores_share_a_host_in_the_simulator() -> None:
     from bench.compare import PD, static_cores
-    from bench.planner_bench import _spec
+    from bench.replay import _spec
     from tests.unit.tiny import TINY
 
     profiles = {1: profile(1.0), 2: profile(0.5)}
@@ -54,8 +55,23 @@ def test_workers_that_lent_their_cores_share_a_host_in_the_simulator() -> None:
         assert {(w.host, w.lent) for w in spec.prefill + spec.decode} == {(-1, None)}
 
 
+def test_workers_of_a_host_step_on_the_busy_peer_profile_while_a_peer_is_busy() -> None:
+    from bench.compare import COLOCATED_1X2, PD, static_cores
+    from bench.replay import _scaled, _spec
+    from tests.unit.tiny import TINY
+
+    profiles, busy = {1: profile(1.0), 2: profile(0.5)}, profile(1.5)
+    for system, lent in ((PD, StepCosts.fit(profiles[2])), (static_cores(PD), None)):
+        spec = _spec(system.__dict__ | {"cores": PD.cores}, profiles, 1024, TINY, busy)
+        assert {(w.host, w.lent, w.contended) for w in spec.prefill + spec.decode} == {(0, lent, StepCosts.fit(busy))}
+        offset = _scaled(spec, 1.0, 0.002).decode[0].contended  # the serving path's cost a step: there too
+        assert offset is not None and offset.d0 == pytest.approx(StepCosts.fit(busy).d0 + 0.002)
+    alone = _spec(COLOCATED_1X2.__dict__ | {"cores": 2}, profiles, 1024, TINY, busy)  # one worker: no peer
+    assert {(w.host, w.contended) for w in alone.colocated} == {(-1, None)}
+
+
 def test_a_measured_zero_has_no_relative_error_unless_the_simulation_agrees() -> None:
-    from bench.planner_bench import Row
+    from bench.replay import Row
 
     assert Row("m", "s", measured=0.0, simulated=0.0).error == 0.0
     assert Row("m", "s", measured=0.0, simulated=0.3).error is None

@@ -59,6 +59,21 @@ def test_a_worker_busy_alone_on_its_host_steps_on_its_peers_cores_too() -> None:
     assert out.ttft == approx((0.1,)) and out.e2e == approx((0.17,))
 
 
+def test_a_worker_steps_on_its_contended_costs_while_a_peer_on_its_host_is_busy() -> None:
+    # 2 colocated workers of one host, each at twice its costs while the other is busy (memory
+    # and caches shared). A (to w1) starts alone at 0: prefill 0.1; B (to w2) starts at 0 beside
+    # it: prefill 0.2. A's one decode step at 0.1, B still prefilling: 0.02. B's at 0.2, alone: 0.01
+    w = WorkerSpec(COSTS, host=0, contended=replace(COSTS, p1=0.002, d0=0.02))
+    out = simulate(ClusterSpec(colocated=(w, w)), Trace.of([(0.0, 100, 0, 2, "A"), (0.0, 100, 0, 2, "B")]))
+    assert out.ttft == approx((0.1, 0.2)) and out.e2e == approx((0.12, 0.21))
+    lending = replace(w, lent=HALF)  # alone, each steps on both cores: A 0.05 + 0.02, B 0.2 + 0.005
+    out = simulate(ClusterSpec(colocated=(lending, lending)), Trace.of([(0.0, 100, 0, 2, "A"), (0.0, 100, 0, 2, "B")]))
+    assert out.ttft == approx((0.05, 0.2)) and out.e2e == approx((0.07, 0.205))
+    apart = replace(w, host=-1)  # hosts of their own: nothing shared
+    out = simulate(ClusterSpec(colocated=(apart, apart)), Trace.of([(0.0, 100, 0, 2, "A"), (0.0, 100, 0, 2, "B")]))
+    assert out.ttft == approx((0.1, 0.1)) and out.e2e == approx((0.11, 0.11))
+
+
 def test_prefill_chunks_under_the_token_budget_fifo() -> None:
     # the second request (3,000 tokens) waits for the first's step, then takes 2048 + 952 tokens
     out = simulate(pd(COSTS, fixed=0.05), Trace.of([(0.0, 100, 0, 3, ""), (0.0, 3000, 0, 2, "")]))
