@@ -82,8 +82,8 @@ PEER_PROMPT = 128
 PEER_SOURCE = "measured beside a busy peer"
 
 
-def _peer(path: str, config: EngineConfig, ready: Any, stop: Any) -> None:
-    """The busy peer (a process of its own): decodes PEER_BATCH streams, over and over."""
+def _peer(path: str, config: EngineConfig, ready: Any) -> None:
+    """The busy peer (a process of its own): decodes PEER_BATCH streams, over and over, until killed."""
     torch.set_num_threads(config.num_threads or 1)
     engine = Engine.from_path(path, config)
     vocab = engine.model.config.vocab_size
@@ -91,7 +91,7 @@ def _peer(path: str, config: EngineConfig, ready: Any, stop: Any) -> None:
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     engine.generate(prompts, params)  # cached from here on: each round is 64 decode steps
     ready.set()
-    while not stop.is_set():
+    while True:
         engine.generate(prompts, params)
 
 
@@ -100,8 +100,8 @@ def busy_peer(path: str, config: EngineConfig) -> Iterator[None]:
     """A second engine with `config` decoding in its own process while the block runs. Raises
     RuntimeError if it dies before it starts decoding."""
     ctx = multiprocessing.get_context("spawn")
-    ready, stop = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_peer, args=(path, config, ready, stop), name="tandem-busy-peer", daemon=True)
+    ready = ctx.Event()
+    proc = ctx.Process(target=_peer, args=(path, config, ready), name="tandem-busy-peer", daemon=True)
     proc.start()
     try:
         while not ready.wait(1.0):  # as long as its model takes to load
@@ -109,11 +109,8 @@ def busy_peer(path: str, config: EngineConfig) -> Iterator[None]:
                 raise RuntimeError(f"the busy peer exited ({proc.exitcode}) before it decoded")
         yield
     finally:
-        stop.set()
-        proc.join(30.0)  # a round of 64 steps, then it sees `stop`
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        proc.kill()  # it holds nothing worth finishing
+        proc.join()
 
 
 def default_node_class() -> str:

@@ -233,13 +233,18 @@ def test_a_short_prompt_spills_whole_to_the_prefill_worker(cluster: Cluster, eng
     spill = cluster.route(ids, GREEDY, policy=policy)
     assert spill.local and spill.prefill is None
     assert {w["worker_id"]: w["role"] for w in cluster.workers()}[spill.decode] == "prefill"
-    outs = list(cluster.generate(ids, GREEDY, route=spill))
+    ran_whole(cluster, engine_fp32, ids, list(cluster.generate(ids, GREEDY, route=spill)), spill.decode)
+
+
+def ran_whole(c: Cluster, engine: Engine, ids: list[int], outs: list[StreamOutput], worker: str) -> None:
+    """`outs` came from `worker` alone: a cold run's tokens, no KV moved; then every block is
+    free, and the two routes picked but not run have lapsed."""
     placement = outs[0].placement
-    assert placement is not None and placement.prefill_worker == placement.decode_worker == spill.decode
+    assert placement is not None and placement.prefill_worker == placement.decode_worker == worker
     assert placement.transfer_bytes == 0
-    assert tokens_of(outs) == engine_fp32.generate([ids], GREEDY)[0].token_ids
-    cluster.check_integrity()
-    until(lambda: cluster.ledger.num_holds == 0, 10, "the two unused routes' holds to lapse")
+    assert tokens_of(outs) == engine.generate([ids], GREEDY)[0].token_ids
+    c.check_integrity()
+    until(lambda: c.ledger.num_holds == 0, 10, "the two unused routes' holds to lapse")
 
 
 def test_a_prompt_overflows_whole_to_the_decode_worker_while_prefill_is_backlogged(
@@ -261,13 +266,7 @@ def test_a_prompt_overflows_whole_to_the_decode_worker_while_prefill_is_backlogg
     run = cluster.generate(ids, GREEDY, route=over)
     outs = [next(run)]
     assert cluster.ledger.load(over.decode).prefill_tokens == 0  # out of the queue at its first token
-    outs += list(run)
-    placement = outs[0].placement
-    assert placement is not None and placement.prefill_worker == placement.decode_worker == over.decode
-    assert placement.transfer_bytes == 0
-    assert tokens_of(outs) == engine_fp32.generate([ids], GREEDY)[0].token_ids
-    cluster.check_integrity()
-    until(lambda: cluster.ledger.num_holds == 0, 10, "the two unused routes' holds to lapse")
+    ran_whole(cluster, engine_fp32, ids, outs + list(run), over.decode)
 
 
 def test_write_back_puts_the_answer_in_the_prefill_workers_cache(cluster: Cluster, engine_fp32: Engine) -> None:

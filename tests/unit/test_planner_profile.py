@@ -3,14 +3,16 @@ computed figures, the hardware facts kept as data, and a measured profile of the
 
 from __future__ import annotations
 
+import multiprocessing
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.model import LlamaModel
 from planner.hardware import Hardware, known
-from planner.measure import QUICK, measure_profile
+from planner.measure import QUICK, busy_peer, measure_profile
 from planner.profile import DecodePoint, EngineProfile, PrefillPoint, fetch, redis_key, store
 from planner.roofline import ModelShape, decode_seconds, estimate, prefill_seconds, relative_errors
 from tests.unit.tiny import make_engine
@@ -110,3 +112,9 @@ def test_hardware_nodes_hold_the_kv_cache_the_engine_would_there() -> None:
     auto = from_hardware(h100, config, "llama-3.1-8b", "int8", gpu_kv_dtype("int8"), 0.0, 1)
     coded = from_hardware(h100, config, "llama-3.1-8b", "int8", "int8", 0.0, 1)
     assert auto.worker.kv_tokens < 0.6 * coded.worker.kv_tokens  # 2 bytes a value against 1 and a scale a row
+
+
+def test_a_busy_peer_that_cannot_start_is_an_error_and_leaves_no_process(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="before it decoded"), busy_peer(str(tmp_path / "m.gguf"), EngineConfig()):
+        pass
+    assert not multiprocessing.active_children()
