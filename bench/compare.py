@@ -105,6 +105,8 @@ class Plan:
     def __post_init__(self) -> None:
         if len({s.cores for s in self.systems}) != 1:
             raise ValueError(f"systems must have equal cores: {[(s.name, s.cores) for s in self.systems]}")
+        if self.requests < 1 or self.max_seconds <= 0:
+            raise ValueError(f"--requests must be >= 1 and --max-seconds > 0, got {self.requests}, {self.max_seconds}")
 
 
 FULL = Plan(
@@ -207,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/bench/compare", help="directory for compare.json and the PNGs")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--max-prefill-chunk", type=int, default=None, help="every worker's (0: the whole budget)")
+    ap.add_argument("--requests", type=int, default=None, help="requests a rate, at most (default: 32, quick 8): "
+                    "more tell a noisy rate from a real drop, and take longer")  # fmt: skip
+    ap.add_argument("--max-seconds", type=float, default=None, help="seconds of sending a rate, at most "
+                    "(default: 90, quick 12)")  # fmt: skip
     ap.add_argument("--speculative", choices=["off", "ngram", "suffix"], default="off",
                     help="every worker's speculative decoding (tandem serve's default is suffix)")  # fmt: skip
     ap.add_argument("--spill-too", action="store_true", help="also run P/D with the spill route on, same rates")
@@ -229,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = replace(plan, max_prefill_chunk=args.max_prefill_chunk)
     if args.speculative != "off":
         plan = replace(plan, speculative=args.speculative)
+    try:
+        if args.requests is not None:
+            plan = replace(plan, requests=args.requests)
+        if args.max_seconds is not None:
+            plan = replace(plan, max_seconds=args.max_seconds)
+    except ValueError as e:
+        ap.error(str(e))
     if args.spill_too:
         plan = replace(plan, systems=(*plan.systems, PD_SPILL))
     if args.overflow_too:
@@ -246,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     res = evaluate(measured, plan, scales)
     meta = {"quick": args.quick, "seed": args.seed, "elapsed_s": time.monotonic() - t0, "cores": plan.systems[0].cores,
             "systems": [{**vars(s), "cores": s.cores} for s in plan.systems], "base_rps": base,
-            "max_prefill_chunk": plan.max_prefill_chunk, "speculative": plan.speculative or "off"}  # fmt: skip
+            "max_prefill_chunk": plan.max_prefill_chunk, "speculative": plan.speculative or "off",
+            "requests": plan.requests, "max_seconds": plan.max_seconds}  # fmt: skip
     files: list[str] = []
     if args.out:
         out = Path(args.out)

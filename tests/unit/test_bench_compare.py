@@ -84,6 +84,9 @@ def test_every_plan_compares_equal_cores() -> None:
     assert PD.cores == COLOCATED_1X2.cores == COLOCATED_2X1.cores == 2
     with pytest.raises(ValueError, match="equal cores"):
         replace(QUICK, systems=(COLOCATED_1X2, System("P/D 2t", 1, 1, 0, 2)))
+    for bad in ({"requests": 0}, {"max_seconds": 0.0}):
+        with pytest.raises(ValueError, match="--requests must be >= 1 and --max-seconds > 0"):
+            replace(FULL, **bad)
 
 
 def test_each_worker_runs_the_systems_threads_and_the_plans_speculation() -> None:
