@@ -119,6 +119,7 @@ class Route:
 def overflows(
     workers: Sequence[WorkerView],
     prefill: WorkerView,
+    prefill_cached: int,
     cached_blocks: Mapping[str, int],
     prompt_tokens: int,
     blocks_needed: int,
@@ -126,8 +127,9 @@ def overflows(
     policy: RoutingPolicy,
     exclude: frozenset[str] = frozenset(),
 ) -> Route | None:
-    """The whole request on a decode worker instead of `prefill`, when that is busy and the decode
-    worker gets the prompt to its first token sooner (see RoutingPolicy.overflow_below_tokens)."""
+    """The whole request on a decode worker instead of `prefill` (which holds `prefill_cached`
+    tokens of the prompt), when that is busy and the decode worker gets the prompt to its first
+    token sooner (see RoutingPolicy.overflow_below_tokens)."""
     if not policy.overflow_below_tokens or prefill.load.prefill_tokens < policy.busy_prefill_tokens:
         return None
     found = pick_local(
@@ -136,8 +138,7 @@ def overflows(
     if found is None:
         return None
     decode = next(w for w in workers if w.worker_id == found[0])
-    cached = min(cached_blocks.get(prefill.worker_id, 0) * block_size, prompt_tokens)
-    if prefill_eta(decode, found[1], prompt_tokens) >= prefill_eta(prefill, cached, prompt_tokens):
+    if prefill_eta(decode, found[1], prompt_tokens) >= prefill_eta(prefill, prefill_cached, prompt_tokens):
         return None
     return Route(decode=decode.worker_id, cached_tokens=found[1], local=True)
 
@@ -185,7 +186,9 @@ def plan_route(
     ):
         return local
     if prefill is not None:
-        over = overflows(workers, by_id[prefill], cached_blocks, prompt_tokens, blocks, block_size, policy, exclude)
+        over = overflows(
+            workers, by_id[prefill], cached, cached_blocks, prompt_tokens, blocks, block_size, policy, exclude
+        )
         if over is not None:
             return over
     colocated = pick_colocated(workers, blocks, exclude)
