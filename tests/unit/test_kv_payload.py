@@ -164,21 +164,24 @@ def test_a_shm_payload_changed_after_its_checksum_is_rejected_and_writes_nothing
         payload_bytes=data.numel() * 4,
         checksum=checksum(tensor_bytes(data)),
     )
-    writer.put(h, data)
-    fd = os.open(os.path.join(SHM_DIR, h.shm_name), os.O_WRONLY)
     try:
-        os.pwrite(fd, b"\xff", h.shm_offset + 100)  # the sender's memory changed after it checksummed
+        writer.put(h, data)
+        fd = os.open(os.path.join(SHM_DIR, h.shm_name), os.O_RDWR)
+        try:  # the sender's memory changed after it checksummed: flip every bit of one byte, whatever it held
+            byte = os.pread(fd, 1, h.shm_offset + 100)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), h.shm_offset + 100)
+        finally:
+            os.close(fd)
+        with pytest.raises(ChunkRejected) as err:
+            receiver.accept(h, memoryview(b""))
+        assert err.value.code == "bad_checksum"
+        assert not decode.cache.kv.any()
+        assert "r" not in receiver.table
+        receiver.check_integrity()
     finally:
-        os.close(fd)
-    with pytest.raises(ChunkRejected) as err:
-        receiver.accept(h, memoryview(b""))
-    assert err.value.code == "bad_checksum"
-    assert not decode.cache.kv.any()
-    assert "r" not in receiver.table
-    receiver.check_integrity()
-    receiver.readers["shm"].close()
-    writer.close()
-    pool.close()
+        receiver.readers["shm"].close()
+        writer.close()
+        pool.close()
 
 
 def test_a_process_that_dies_of_an_exception_leaves_no_segment_behind() -> None:

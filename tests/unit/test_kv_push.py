@@ -231,7 +231,10 @@ def test_a_send_over_the_chunk_limit_goes_as_several_chunks(tiny_model: LlamaMod
 
 
 def shm_files() -> set[str]:
-    """This process's shm segments in /dev/shm (kv_transfer/payload.py names them by pid)."""
+    """This process's shm segments in /dev/shm (kv_transfer/payload.py names them by pid).
+
+    Tests compare what a test created (after - before): a pool an earlier test dropped may be unlinked by the
+    garbage collector at any point, so segments can also vanish while a test runs."""
     return {n for n in os.listdir(SHM_DIR) if n.startswith(f"tandem-kv-{os.getpid()}-")}
 
 
@@ -260,7 +263,7 @@ def test_send_blocks_gathers_the_blocks_itself_bit_identical(
     finally:
         client.close()
         p.close()
-    assert shm_files() == before, "the client's shm segments outlived it"
+    assert shm_files() - before == set(), "the client's shm segments outlived it"
 
 
 def test_send_blocks_with_a_bad_source_fails_its_transfer_without_raising(pair: Pair) -> None:
@@ -291,5 +294,5 @@ def test_shm_pushes_reuse_their_segments_and_leave_none_behind(pair: Pair) -> No
         seen |= shm_files() - before
     assert len(seen) == 1, "each push took a new segment"
     client.close()
-    assert shm_files() == before
+    assert shm_files() - before == set()
     assert pair.decode.kv.num_free_blocks == 256
