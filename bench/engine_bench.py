@@ -15,9 +15,10 @@ import torch
 
 from bench import peers
 from bench.json_out import print_json
-from engine.config import EngineConfig
+from engine.config import PREFILL_ATTENTION, EngineConfig
 from engine.engine import Engine
 from engine.model_files import default_model_path
+from engine.prefill_kernels import kernel_name
 from engine.sampling_params import SamplingParams
 
 PASSAGE = (
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"], help="KV cache")
+    ap.add_argument(
+        "--prefill-attention", default="auto", choices=list(PREFILL_ATTENTION), help="prefill chunks' attention kernel"
+    )
     ap.add_argument("--no-long", action="store_true", help="skip the 4K/8K prefill and 8K-context decode rows")
     ap.add_argument(
         "--peer", choices=sorted(peers.PEERS), help="also run llama.cpp or OpenVINO GenAI (the peers extra)"
@@ -119,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     t = time.perf_counter()
     config = EngineConfig(
-        dtype=args.dtype, num_blocks=4096, max_num_seqs=128, kv_dtype=args.kv_dtype, device=args.device
+        dtype=args.dtype,
+        num_blocks=4096,
+        max_num_seqs=128,
+        kv_dtype=args.kv_dtype,
+        device=args.device,
+        prefill_attention=args.prefill_attention,
     )
     try:
         engine = Engine.from_path(path, config)
@@ -178,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         res["ref_batch16_tok_s"] = 16 * new / theirs(hf, short[:16], new)
         if engine.cache.device.type == "cuda":  # the GPU target's batch (minutes on a CPU)
             res["ref_batch64_tok_s"] = 64 * new / theirs(hf, short[:64], new)
+    attention = kernel_name(engine.model.prefill_attention, engine.model.native)
     res_meta = {"dtype": dtype_name, "kv_dtype": engine.cache.codec.kind, "threads": args.threads, "peer": args.peer,
-                "device": str(engine.cache.device)}  # fmt: skip
+                "device": str(engine.cache.device), "prefill_attention": attention}  # fmt: skip
     if args.json:
         print_json(res_meta | {k: round(v, 2) if v is not None else None for k, v in res.items()})
     else:
-        print(f"engine bench: {dtype_name} on {engine.cache.device}, KV {engine.cache.codec.kind}, {args.threads} "
-              f"threads, model {path} "
+        print(f"engine bench: {dtype_name} on {engine.cache.device}, KV {engine.cache.codec.kind}, prefill "
+              f"attention {res_meta['prefill_attention']}, {args.threads} threads, model {path} "
               f"(loaded in {load_s:.2f} s)")  # fmt: skip
         print(peers.header(peer.label if peer else None))
         for label, key in [

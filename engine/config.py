@@ -12,6 +12,11 @@ from engine.roles import ROLES, Role
 CPU_PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk
 # "int8": weights quantized per channel, activations in fp32 (and the KV cache, unless kv_dtype says otherwise).
 # "int4": the layers' weights in 4 bits (a GGUF's own Q4_1 blocks), the LM head int8, activations in fp32.
+# The kernels a prefill chunk's attention can run on the CPU (engine/prefill_kernels.py picks):
+# "int8" (engine/csrc/prefill_attention_i8.c, AVX512-VNNI), "float" (prefill_attention.c: bf16
+# dot products with AVX512-BF16, fp32 with AVX2), "torch" (its SDPA, fp32), "auto" (see there).
+PREFILL_ATTENTION = ("auto", "int8", "float", "torch")
+
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -79,6 +84,7 @@ class EngineConfig:
     speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
     num_speculative_tokens: int = 4
     kv_dtype: str = "auto"  # how the KV cache stores keys and values: engine/kv_codec.py
+    prefill_attention: str = "auto"  # a prefill chunk's attention kernel on the CPU: PREFILL_ATTENTION
     weight_cache: bool = True  # prepared weights cached beside the checkpoint (engine/weight_cache.py)
     device: str = "cpu"  # cpu, cuda[:N], auto (cuda where torch sees one) or meta (shapes only: tests)
     cuda_graphs: bool = True  # on CUDA, decode-only steps replay captured graphs (engine/cuda_graphs.py)
@@ -96,6 +102,10 @@ class EngineConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(
+                f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, got {self.prefill_attention!r}"
+            )
         if self.device not in ("cpu", "auto", "meta") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda[:N], auto or meta, got {self.device!r}")
         if self.speculative not in ("", "ngram", "suffix") or self.num_speculative_tokens < 1:

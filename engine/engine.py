@@ -30,6 +30,7 @@ from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
 from engine.model import LayerCallback, LlamaModel
 from engine.outputs import Completion, KVHandoff, RequestOutput
 from engine.paged_cache import PagedKVCache
+from engine.prefill_kernels import pick_prefill_attention
 from engine.request import Request, checked_prompt
 from engine.runner import ModelRunner
 from engine.sampler import TokenLogprob
@@ -50,6 +51,10 @@ class Engine:
             raise ValueError(f"the model is on {model.device}, the engine's config says {config.torch_device}")
         self.config = config
         self.model = model
+        if model.native is not None:  # on the CPU (engines that share a model share its kernel)
+            model.prefill_attention = pick_prefill_attention(
+                config.prefill_attention, model.native, model.quantized, model.config.head_dim
+            )
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -26,6 +26,7 @@ from engine.fused_forward import project
 from engine.linear import Projection
 from engine.native import MAX_HEAD_DIM, NativeOps, ops
 from engine.paged_cache import PagedKVCache
+from engine.prefill_kernels import pick_prefill_attention
 from engine.q4_weight import Q4Weight
 from engine.weights import Weights
 
@@ -148,15 +149,8 @@ class LlamaModel:
                 proj.prepare_fbgemm()  # an int8 projection's; the others have none
         # a decode step's layers as one C call, where every projection has its per-row weight
         self.decode_stack = DecodeStack.of(self) if self.native is not None else None
-        # Prefill attention in C (engine/csrc/prefill_attention.c) where the weights are int8 or
-        # int4 (so the output is lossy anyway): bf16 dot products with AVX512-BF16, 2-4x torch's
-        # fp32 flash kernel there; fp32 with AVX2 and no AVX-512, 1.1-3x it. None: torch's SDPA,
-        # as fp32 weights get.
-        self.prefill_attention: PrefillAttention | None = (
-            self.native.prefill_attention
-            if self.native is not None and int8 and d in (32, 64, 128) and self.native.prefill_attention_fast
-            else None
-        )
+        # a prefill chunk's attention: engine/prefill_kernels.py (an engine's config may pick another)
+        self.prefill_attention: PrefillAttention | None = pick_prefill_attention("auto", self.native, int8, d)
         self.cos = emb.cos().to(dtype)
         # sin with rotate_half's sign folded in: -sin on the first half, +sin on the second
         self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)

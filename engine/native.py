@@ -31,6 +31,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,15 @@ from engine.q4_weight import Q4Weight
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-_C_FILES = ("decode.c", "attention.c", "linear_i8.c", "linear_q4.c", "prefill_attention.c", "decode_layers.c")
+_C_FILES = (
+    "decode.c",
+    "attention.c",
+    "linear_i8.c",
+    "linear_q4.c",
+    "prefill_attention.c",
+    "prefill_attention_i8.c",
+    "decode_layers.c",
+)
 SOURCES = tuple(CSRC / name for name in _C_FILES)
 HEADERS = tuple(sorted(CSRC.glob("*.h")))  # all of them in the build's key: no list to forget one in
 # -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
@@ -62,8 +71,10 @@ _SIGNATURES = {
     "linear_i8": (_P, _I, _I, _P, _P, _P, _I, _I, _P),
     "linear_q4": (_P, _I, _I, _P, _P, _I, _I, _P),
     "prefill_attention": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
+    "prefill_attention_i8": (_P, _I, _P, _P, _I, _I, _I, _I, _F, _I, _P),
     "decode_layers": (_P, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _I, _P, _I, _F, _I),
     "prefill_attention_fast": (),
+    "prefill_attention_i8_fast": (),
     "prefill_attention_bf16": (),
     "linear_i8_fast": (),
     "linear_q4_fast": (),
@@ -76,6 +87,7 @@ _STATUS = (
     "linear_i8",
     "linear_q4",
     "prefill_attention",
+    "prefill_attention_i8",
     "decode_layers",
     "prefill_attention_bf16",
     *(n for n in _SIGNATURES if n.endswith("_fast")),
@@ -238,10 +250,27 @@ class NativeOps:
         `prefill_attention_bf16` is False (engine/csrc/prefill_attention.c). All fp32 and
         contiguous. Raises ValueError for a head dim other than 32, 64 or 128, MemoryError
         without scratch."""
+        return self._prefill(self._lib.prefill_attention, q, k, v)
+
+    @functools.cached_property
+    def prefill_attention_i8_fast(self) -> bool:
+        """Whether prefill_attention_i8 is built (AVX512-VNNI)."""
+        return bool(self._lib.prefill_attention_i8_fast())
+
+    def prefill_attention_i8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`prefill_attention` with int8 dot products: q and k (less its mean key) rounded to int8
+        per row, the softmax weights to 8 bits against each block of 32 keys' largest, v to int8
+        per block and channel (engine/csrc/prefill_attention_i8.c). Raises as `prefill_attention`
+        does, and RuntimeError where the kernel is not built (`prefill_attention_i8_fast`)."""
+        return self._prefill(self._lib.prefill_attention_i8, q, k, v)
+
+    def _prefill(self, kernel: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         (n, heads, d), (length, kv_heads, _) = q.shape, k.shape
         out = q.new_empty(n, heads, d)
-        status = self._lib.prefill_attention(q.data_ptr(), n, k.data_ptr(), v.data_ptr(), length, heads, kv_heads,
-                                             d, d**-0.5, torch.get_num_threads(), out.data_ptr())  # fmt: skip
+        status = kernel(q.data_ptr(), n, k.data_ptr(), v.data_ptr(), length, heads, kv_heads, d, d**-0.5,
+                        torch.get_num_threads(), out.data_ptr())  # fmt: skip
+        if status == -3:
+            raise RuntimeError("the int8 prefill attention kernel needs AVX512-VNNI, which this CPU lacks")
         if status == -2:
             raise ValueError(f"prefill attention takes head dims 32, 64 or 128 and whole GQA groups, not {q.shape}")
         if status != 0:

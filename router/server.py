@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 speculative="" if args.speculative == "off" else args.speculative,
                 kv_dtype=args.kv_dtype,
                 device=args.device,
+                prefill_attention=args.prefill_attention,
             ),
             transport=args.transport,
             kv_tls=_kv_tls(args),

@@ -27,6 +27,21 @@ TANDEM_DP(dpwssd, "vpdpwssd", __m512i, __m512i) /* s16 x s16, 2 products a lane 
 #if defined(__AVX512BF16__)
 TANDEM_DP(dpbf16, "vdpbf16ps", __m512, __m512bh) /* bf16 pairs into fp32 */
 #endif
+/* 2^x for x <= 0, 16 lanes: 2^round(x) * p(x - round(x)), |rel. error| < 2e-7; below -126,
+ * about 0 (the prefill attention kernels' softmax weights). */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, i);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, i);
+}
 #endif
 
 #define LANES 16

@@ -1,0 +1,308 @@
+/* Causal attention of a prefill chunk over its keys with int8 dot products (AVX512-VNNI).
+ *
+ * The same contract as prefill_attention.c's: q [n, heads, D], k and v [L, kv_heads, D], fp32;
+ * query i sees keys 0 .. L - n + i. vpdpbusd does 64 multiply-adds an instruction, twice
+ * vdpbf16ps's 32, so both products of the attention (q.k and p.v) take half the instructions of
+ * the bf16 kernel. Roundings (SageAttention's, for a CPU):
+ *   k: the mean key of each kv head (over all L keys) is subtracted first. That changes no
+ *      softmax (a query's scores all move by the same q . mean), and it removes the offset that
+ *      keys share, so the int8 steps are finer. Then one scale a key and kv head: max |k| / 127.
+ *   q: one scale a query row and head, max |q| / 127; stored + 128 (vpdpbusd multiplies an
+ *      unsigned byte by a signed one), the + 128 taken back with 128 * sum(k) a key.
+ *   p: the softmax weights of a block of 32 keys, against that block's own largest weight:
+ *      round(255 * p / max p), so a block of small weights is as finely stepped as the block
+ *      holding the max. The sum the output is divided by adds the rounded weights, so the
+ *      output stays a weighted mean of the values.
+ *   v: one scale a block of 32 keys and a channel (max |v| over the block / 127): a channel's
+ *      scale factors out of its sum over the block's keys.
+ * Scores, the softmax and the sums stay fp32. The layouts are built per call (O(L * D), against
+ * the O(n * L * D) of the attention):
+ *   kq [kv_heads][L / 16][D / 4][16]: 16 keys' 4 consecutive int8 dims a 32-bit lane
+ *   vq [kv_heads][L / 4][D]: 4 consecutive keys' int8 values of one dim a lane
+ * A work item is R query rows of one q head, in blocks of 32 keys, with prefill_attention.c's
+ * running max (moved only by more than HEADROOM) and exp2 in log2 units.
+ */
+#include "common.h"
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#endif
+
+#define KEYS 32 /* keys a block */
+#define HEADROOM 8.0f
+#define LOG2E 1.44269504088896341f
+
+int prefill_attention_i8_fast(void) {
+#ifdef HAVE_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_VNNI
+/* 2^x for x <= 0 where the result is rounded to 8 bits after (a weight, against its block's
+ * largest): a minimax cubic for 2^f on [-0.5, 0.5], |rel. error| < 7.5e-5, a 50th of the 8-bit
+ * step.
+ * -inf (a masked key) gives NaN: callers zero those lanes. */
+static inline __m512 exp2_coarse(__m512 x) {
+    __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, i);
+    __m512 p = _mm512_set1_ps(5.517132e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4261054e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326097e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999281e-1f));
+    return _mm512_scalef_ps(p, i);
+}
+
+/* 16 fp32 -> 16 int32 steps of `inv` (round to nearest even, saturated to +-127). */
+static inline __m512i steps(__m512 x, __m512 inv) {
+    __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));
+    return _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+}
+
+/* A row of D fp32 (less `sub` where given) -> D int8 steps of max |x| / 127 in `out` (+ 128 when
+ * `offset`, as unsigned bytes); returns the scale and sets *total to the sum of the steps. */
+static inline float quantize_row(const float *x, const float *sub, int64_t d, int offset, uint8_t *out,
+                                 int32_t *total) {
+    __m512 v[8], amax = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d / 16; c++) {
+        v[c] = _mm512_loadu_ps(x + c * 16);
+        if (sub)
+            v[c] = _mm512_sub_ps(v[c], _mm512_loadu_ps(sub + c * 16));
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[c]));
+    }
+    float top = _mm512_reduce_max_ps(amax);
+    __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = 0; c < d / 16; c++) {
+        __m512i i = steps(v[c], inv);
+        sum = _mm512_add_epi32(sum, i);
+        if (offset)
+            i = _mm512_add_epi32(i, _mm512_set1_epi32(128));
+        _mm_storeu_si128((__m128i *)(out + c * 16), _mm512_cvtepi32_epi8(i));
+    }
+    *total = _mm512_reduce_add_epi32(sum);
+    return top / 127.0f;
+}
+
+/* R query rows (quads in qq, scales in qs, each row's last visible key in lim) against keys
+ * 0 .. lim[R - 1]; DV = D / 16. Writes the `rows` real rows of out (row stride out_stride). */
+static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *const *qq, const float *qs,
+                                                                 const int64_t *lim, int rows, const uint32_t *kq,
+                                                                 const int32_t *kcorr, const float *ks,
+                                                                 const uint32_t *vq, const float *vs, int R, int DV,
+                                                                 float *out, int64_t out_stride) {
+    const int64_t quads = DV * 4;
+    __m512 acc[4][8], l[4];
+    float m[4], rise[16] = {0}, pscale[16];
+    __m512i isum[4];
+    uint32_t pw[4][KEYS / 4];
+    for (int r = 0; r < 4; r++) {
+        m[r] = -INFINITY;
+        l[r] = _mm512_setzero_ps();
+        for (int c = 0; c < DV; c++) acc[r][c] = _mm512_setzero_ps();
+    }
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t kb = 0; kb <= lim[R - 1]; kb += KEYS) {
+        __m512i si[4][2];
+        for (int r = 0; r < R; r++) si[r][0] = si[r][1] = _mm512_setzero_si512();
+        const uint32_t *k0 = kq + (kb / 16) * quads * 16, *k1 = k0 + quads * 16;
+        for (int64_t p = 0; p < quads; p++) {
+            __m512i a = _mm512_loadu_si512(k0 + p * 16), b = _mm512_loadu_si512(k1 + p * 16);
+            for (int r = 0; r < R; r++) {
+                __m512i qb = _mm512_set1_epi32((int)qq[r][p]);
+                si[r][0] = dpbusd(si[r][0], qb, a);
+                si[r][1] = dpbusd(si[r][1], qb, b);
+            }
+        }
+        const __m512i c0 = _mm512_loadu_si512(kcorr + kb), c1 = _mm512_loadu_si512(kcorr + kb + 16);
+        const __m512 ks0 = _mm512_loadu_ps(ks + kb), ks1 = _mm512_loadu_ps(ks + kb + 16);
+        const int whole = kb + KEYS - 1 <= lim[0]; /* every row sees every key of the block */
+        for (int r = 0; r < R; r++) {
+            __mmask16 ok0 = 0xFFFF, ok1 = 0xFFFF;
+            __m512 qr = _mm512_set1_ps(qs[r]);
+            __m512 s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][0], c0)), _mm512_mul_ps(ks0, qr));
+            __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][1], c1)), _mm512_mul_ps(ks1, qr));
+            if (!whole) {
+                __m512i first = _mm512_add_epi32(lane, _mm512_set1_epi32((int)kb)), last = _mm512_set1_epi32((int)lim[r]);
+                ok0 = _mm512_cmple_epi32_mask(first, last);
+                ok1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(first, _mm512_set1_epi32(16)), last);
+                s0 = _mm512_mask_mov_ps(ninf, ok0, s0);
+                s1 = _mm512_mask_mov_ps(ninf, ok1, s1);
+            }
+            float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            if (top == -INFINITY) { /* a row that sees none of the block's keys */
+                memset(pw[r], 0, sizeof(pw[r]));
+                rise[r] = -INFINITY;
+                isum[r] = _mm512_setzero_si512();
+                continue;
+            }
+            if (top > m[r] + HEADROOM) { /* key 0 is in every row's first block: m is finite after it */
+                __m512 al = _mm512_set1_ps(exp_approx((m[r] - top) * 0.69314718f));
+                m[r] = top;
+                l[r] = _mm512_mul_ps(l[r], al);
+                for (int c = 0; c < DV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], al);
+            }
+            rise[r] = top - m[r]; /* the block's largest weight is 2^rise against the running max */
+            __m512 tv = _mm512_set1_ps(top), full = _mm512_set1_ps(255.0f);
+            /* 255 * 2^(s - top) <= 255 (+ the cubic's error, far under the half step): 0 .. 255 */
+            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_mov_ps(ok0, exp2_coarse(_mm512_sub_ps(s0, tv))), full));
+            __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_mov_ps(ok1, exp2_coarse(_mm512_sub_ps(s1, tv))), full));
+            isum[r] = _mm512_add_epi32(i0, i1);
+            _mm_storeu_si128((__m128i *)pw[r], _mm512_cvtepi32_epi8(i0));
+            _mm_storeu_si128((__m128i *)(pw[r] + 4), _mm512_cvtepi32_epi8(i1));
+        }
+        /* Each row's step of weight, 2^rise / 255, in one vector exp2 for all R rows. */
+        _mm512_storeu_ps(pscale, _mm512_mul_ps(exp2_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << R) - 1), rise)),
+                                               _mm512_set1_ps(1.0f / 255.0f)));
+        for (int r = 0; r < R; r++)
+            l[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(pscale[r]), l[r]);
+        __m512i ai[4][8];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < DV; c++) ai[r][c] = _mm512_setzero_si512();
+        const uint32_t *vrow = vq + (kb / 4) * DV * 16;
+        for (int t = 0; t < KEYS / 4; t++, vrow += DV * 16) {
+            __m512i vv[8];
+            for (int c = 0; c < DV; c++) vv[c] = _mm512_loadu_si512(vrow + c * 16);
+            for (int r = 0; r < R; r++) {
+                __m512i pb = _mm512_set1_epi32((int)pw[r][t]);
+                for (int c = 0; c < DV; c++) ai[r][c] = dpbusd(ai[r][c], pb, vv[c]);
+            }
+        }
+        const float *vsb = vs + (kb / KEYS) * DV * 16;
+        for (int r = 0; r < R; r++) {
+            __m512 ps = _mm512_set1_ps(pscale[r]);
+            for (int c = 0; c < DV; c++)
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]),
+                                            _mm512_mul_ps(ps, _mm512_loadu_ps(vsb + c * 16)), acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(out + r * out_stride + c * 16, _mm512_mul_ps(acc[r][c], inv));
+    }
+}
+
+/* Keys 4t .. 4t + 3 of one kv head (their int32 steps, one vector each) -> 16 lanes of 4 bytes. */
+static inline __m512i quad_lanes(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i low = _mm512_set1_epi32(0xFF);
+    __m512i w = _mm512_and_si512(a, low);
+    w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_and_si512(b, low), 8));
+    w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_and_si512(c, low), 16));
+    return _mm512_or_si512(w, _mm512_slli_epi32(d, 24));
+}
+
+/* The values of one kv head's block of 32 keys (from `first`, `count` of them real; v_stride
+ * floats from one key to the next) -> vq's 8 quads x D lanes and the block's D channel scales. */
+static void value_block(const float *v, int64_t count, int64_t v_stride, int64_t d, uint32_t *dst, float *scale) {
+    for (int64_t c = 0; c < d / 16; c++) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t j = 0; j < count; j++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + j * v_stride + c * 16)));
+        _mm512_storeu_ps(scale + c * 16, _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127.0f)));
+        __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(127.0f), amax);
+        for (int64_t t = 0; t < KEYS / 4; t++) {
+            __m512i s[4];
+            for (int64_t j = 0; j < 4; j++) {
+                int64_t key = 4 * t + j;
+                s[j] = key < count ? steps(_mm512_loadu_ps(v + key * v_stride + c * 16), inv) : _mm512_setzero_si512();
+            }
+            _mm512_storeu_si512(dst + t * d + c * 16, quad_lanes(s[0], s[1], s[2], s[3]));
+        }
+    }
+}
+#endif
+
+/* Returns 0; -1 when scratch cannot be allocated; -2 when D is not 32, 64 or 128, or heads is
+ * not a multiple of kv_heads; -3 where the kernel is not built (no AVX512-VNNI); out untouched
+ * unless 0. */
+int prefill_attention_i8(const float *q, int64_t n, const float *k, const float *v, int64_t L, int64_t heads,
+                         int64_t kv_heads, int64_t d, float scale, int64_t threads, float *out) {
+    if ((d != 32 && d != 64 && d != 128) || kv_heads <= 0 || heads % kv_heads != 0 || n > L)
+        return -2;
+#ifndef HAVE_VNNI
+    (void)q, (void)k, (void)v, (void)scale, (void)threads, (void)out;
+    return -3;
+#else
+    int64_t group = heads / kv_heads, team = threads > 0 ? threads : 1, ctx = L - n;
+    int R = d <= 64 ? 4 : 2, DV = (int)(d / 16);
+    int64_t lpad = (L + KEYS - 1) / KEYS * KEYS, quads = d / 4, blocks16 = lpad / 16, blocks = lpad / KEYS;
+    uint32_t *kq = malloc(kv_heads * lpad * quads * sizeof(uint32_t));
+    uint32_t *vq = malloc(kv_heads * lpad * quads * sizeof(uint32_t));
+    uint32_t *qq = malloc(n * heads * quads * sizeof(uint32_t));
+    int32_t *kcorr = malloc(kv_heads * lpad * sizeof(int32_t));
+    float *ks = malloc(kv_heads * lpad * sizeof(float)), *vs = malloc(kv_heads * blocks * d * sizeof(float));
+    float *qs = malloc(n * heads * sizeof(float)), *kmean = calloc(kv_heads * d, sizeof(float));
+    if (!kq || !vq || !qq || !kcorr || !ks || !vs || !qs || !kmean) {
+        free(kq), free(vq), free(qq), free(kcorr), free(ks), free(vs), free(qs), free(kmean);
+        return -1;
+    }
+    for (int64_t key = 0; key < L; key++) /* the mean key of each kv head: O(L * D) */
+        for (int64_t i = 0; i < kv_heads * d; i++) kmean[i] += k[key * kv_heads * d + i];
+    for (int64_t i = 0; i < kv_heads * d; i++) kmean[i] /= (float)L;
+    float mul = scale * LOG2E;
+#pragma omp parallel num_threads(team)
+    {
+        uint32_t row[32];
+#pragma omp for schedule(static) nowait
+        for (int64_t it = 0; it < kv_heads * blocks16; it++) { /* keys: 16 rows, transposed */
+            int64_t h = it / blocks16, b = it % blocks16;
+            uint32_t *dst = kq + (h * blocks16 + b) * quads * 16;
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t key = b * 16 + j;
+                int32_t total = 0;
+                float s = 0.0f;
+                if (key < L)
+                    s = quantize_row(k + (key * kv_heads + h) * d, kmean + h * d, d, 0, (uint8_t *)row, &total);
+                else
+                    memset(row, 0, sizeof(row));
+                ks[h * lpad + key] = s;
+                kcorr[h * lpad + key] = 128 * total;
+                for (int64_t p = 0; p < quads; p++) dst[p * 16 + j] = row[p];
+            }
+        }
+#pragma omp for schedule(static) nowait
+        for (int64_t it = 0; it < kv_heads * blocks; it++) { /* values: blocks of 32 keys */
+            int64_t h = it / blocks, b = it % blocks, first = b * KEYS;
+            int64_t count = L - first < KEYS ? L - first : KEYS;
+            value_block(v + (first * kv_heads + h) * d, count, kv_heads * d, d, vq + (h * (lpad / 4) + first / 4) * d,
+                        vs + it * d);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < n * heads; it++) {
+            int32_t total;
+            qs[it] = quantize_row(q + it * d, NULL, d, 1, (uint8_t *)(qq + it * quads), &total) * mul;
+        }
+        int64_t row_blocks = (n + R - 1) / R;
+        /* Heaviest blocks (the last rows see the most keys) first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < heads * row_blocks; it++) {
+            int64_t h = it % heads, r0 = (row_blocks - 1 - it / heads) * R, hk = h / group;
+            int rows = (int)(n - r0 < R ? n - r0 : R);
+            const uint32_t *rq[4];
+            float rs[4];
+            int64_t lim[4];
+            for (int r = 0; r < R; r++) {
+                int64_t i = r0 + (r < rows ? r : rows - 1);
+                rq[r] = qq + (i * heads + h) * quads;
+                rs[r] = qs[i * heads + h];
+                lim[r] = ctx + i;
+            }
+            const uint32_t *khead = kq + hk * blocks16 * quads * 16, *vhead = vq + hk * (lpad / 4) * d;
+            const int32_t *chead = kcorr + hk * lpad;
+            const float *shead = ks + hk * lpad, *vshead = vs + hk * blocks * d;
+            float *o = out + (r0 * heads + h) * d;
+            if (DV == 4)
+                rows_block_i8(rq, rs, lim, rows, khead, chead, shead, vhead, vshead, 4, 4, o, heads * d);
+            else if (DV == 2)
+                rows_block_i8(rq, rs, lim, rows, khead, chead, shead, vhead, vshead, 4, 2, o, heads * d);
+            else
+                rows_block_i8(rq, rs, lim, rows, khead, chead, shead, vhead, vshead, 2, 8, o, heads * d);
+        }
+    }
+    free(kq), free(vq), free(qq), free(kcorr), free(ks), free(vs), free(qs), free(kmean);
+    return 0;
+#endif
+}
