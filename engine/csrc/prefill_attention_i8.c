@@ -3,18 +3,19 @@
  * The same contract as prefill_attention.c's: q [n, heads, D], k and v [L, kv_heads, D], fp32;
  * query i sees keys 0 .. L - n + i. vpdpbusd does 64 multiply-adds an instruction, twice
  * vdpbf16ps's 32, so both products of the attention (q.k and p.v) take half the instructions of
- * the bf16 kernel. Roundings (SageAttention's, for a CPU):
- *   k: the mean key of each kv head (over all L keys) is subtracted first. That changes no
- *      softmax (a query's scores all move by the same q . mean), and it removes the offset that
- *      keys share, so the int8 steps are finer. Then one scale a key and kv head: max |k| / 127.
+ * the bf16 kernel. Roundings (SageAttention's, for a CPU), each a function of the keys a row
+ * sees, so a row's bits do not depend on the call it came in (its chunk, a prefix-cache hit):
+ *   k: the mean of the first 16 keys of each kv head is subtracted first (of all of them, where
+ *      L < 16: rows of such a call are never reused by a longer one, as the prefix cache keeps
+ *      whole blocks of 16 or more). That changes no softmax (a query's scores all move by the
+ *      same q . mean), and it takes out the offset keys share, so the int8 steps are finer.
+ *      Then one scale a key and kv head: max |k| / 127.
  *   q: one scale a query row and head, max |q| / 127; stored + 128 (vpdpbusd multiplies an
  *      unsigned byte by a signed one), the + 128 taken back with 128 * sum(k) a key.
- *   p: the softmax weights of a block of 32 keys, against that block's own largest weight:
- *      round(255 * p / max p), so a block of small weights is as finely stepped as the block
- *      holding the max. The sum the output is divided by adds the rounded weights, so the
- *      output stays a weighted mean of the values.
- *   v: one scale a block of 32 keys and a channel (max |v| over the block / 127): a channel's
- *      scale factors out of its sum over the block's keys.
+ *   v: one scale a key and kv head, max |v| / 127, as the int8 KV cache's.
+ *   p: in a block of 32 keys, each weight times its value's scale, rounded to 255ths of the
+ *      block's largest such product: a block of small weights is stepped as finely as the
+ *      block holding the max. The sum the output is divided by is of the unrounded weights.
  * Scores, the softmax and the sums stay fp32. The layouts are built per call (O(L * D), against
  * the O(n * L * D) of the attention):
  *   kq [kv_heads][L / 16][D / 4][16]: 16 keys' 4 consecutive int8 dims a 32-bit lane
@@ -29,6 +30,7 @@
 #endif
 
 #define KEYS 32 /* keys a block */
+#define MEAN_KEYS 16 /* keys the mean key is taken over */
 #define HEADROOM 8.0f
 #define LOG2E 1.44269504088896341f
 
@@ -53,6 +55,16 @@ static inline __m512 exp2_coarse(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326097e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999281e-1f));
     return _mm512_scalef_ps(p, i);
+}
+
+/* The maxima of four rows of 16 at once: lanes 4g .. 4g + 3 of the result hold row g's. Thirteen
+ * ops for four rows, where one row's own reduction takes seven. */
+static inline __m512 max_of_rows(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_max_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 m = _mm512_max_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));
+    return _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
 }
 
 /* 16 fp32 -> 16 int32 steps of `inv` (round to nearest even, saturated to +-127). */
@@ -95,8 +107,8 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
                                                                  float *out, int64_t out_stride) {
     const int64_t quads = DV * 4;
     __m512 acc[4][8], l[4];
-    float m[4], rise[16] = {0}, pscale[16];
-    __m512i isum[4];
+    float m[4], rise[16] = {0}, big[16] = {0}, grow[16], pscale[16], up[16];
+    __m512 psum[4], w[4][2];
     uint32_t pw[4][KEYS / 4];
     for (int r = 0; r < 4; r++) {
         m[r] = -INFINITY;
@@ -119,24 +131,39 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
         }
         const __m512i c0 = _mm512_loadu_si512(kcorr + kb), c1 = _mm512_loadu_si512(kcorr + kb + 16);
         const __m512 ks0 = _mm512_loadu_ps(ks + kb), ks1 = _mm512_loadu_ps(ks + kb + 16);
+        const __m512 vs0 = _mm512_loadu_ps(vs + kb), vs1 = _mm512_loadu_ps(vs + kb + 16);
         const int whole = kb + KEYS - 1 <= lim[0]; /* every row sees every key of the block */
-        for (int r = 0; r < R; r++) {
-            __mmask16 ok0 = 0xFFFF, ok1 = 0xFFFF;
+        __m512 sc[4][2], mx[4];
+        __mmask16 ok[4][2];
+        for (int r = 0; r < 4; r++) {
+            if (r >= R) {
+                mx[r] = ninf;
+                continue;
+            }
+            ok[r][0] = ok[r][1] = 0xFFFF;
             __m512 qr = _mm512_set1_ps(qs[r]);
-            __m512 s0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][0], c0)), _mm512_mul_ps(ks0, qr));
-            __m512 s1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][1], c1)), _mm512_mul_ps(ks1, qr));
+            sc[r][0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][0], c0)), _mm512_mul_ps(ks0, qr));
+            sc[r][1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][1], c1)), _mm512_mul_ps(ks1, qr));
             if (!whole) {
                 __m512i first = _mm512_add_epi32(lane, _mm512_set1_epi32((int)kb)), last = _mm512_set1_epi32((int)lim[r]);
-                ok0 = _mm512_cmple_epi32_mask(first, last);
-                ok1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(first, _mm512_set1_epi32(16)), last);
-                s0 = _mm512_mask_mov_ps(ninf, ok0, s0);
-                s1 = _mm512_mask_mov_ps(ninf, ok1, s1);
+                ok[r][0] = _mm512_cmple_epi32_mask(first, last);
+                ok[r][1] = _mm512_cmple_epi32_mask(_mm512_add_epi32(first, _mm512_set1_epi32(16)), last);
+                sc[r][0] = _mm512_mask_mov_ps(ninf, ok[r][0], sc[r][0]);
+                sc[r][1] = _mm512_mask_mov_ps(ninf, ok[r][1], sc[r][1]);
             }
-            float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            mx[r] = _mm512_max_ps(sc[r][0], sc[r][1]);
+        }
+        float tops[16];
+        _mm512_storeu_ps(tops, max_of_rows(mx[0], mx[1], mx[2], mx[3]));
+        __m512 wm[4];
+        for (int r = 0; r < 4; r++) {
+            wm[r] = _mm512_setzero_ps();
+            if (r >= R)
+                continue;
+            float top = tops[4 * r];
             if (top == -INFINITY) { /* a row that sees none of the block's keys */
-                memset(pw[r], 0, sizeof(pw[r]));
                 rise[r] = -INFINITY;
-                isum[r] = _mm512_setzero_si512();
+                psum[r] = w[r][0] = w[r][1] = _mm512_setzero_ps();
                 continue;
             }
             if (top > m[r] + HEADROOM) { /* key 0 is in every row's first block: m is finite after it */
@@ -145,20 +172,34 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
                 l[r] = _mm512_mul_ps(l[r], al);
                 for (int c = 0; c < DV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], al);
             }
-            rise[r] = top - m[r]; /* the block's largest weight is 2^rise against the running max */
-            __m512 tv = _mm512_set1_ps(top), full = _mm512_set1_ps(255.0f);
-            /* 255 * 2^(s - top) <= 255 (+ the cubic's error, far under the half step): 0 .. 255 */
-            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_mov_ps(ok0, exp2_coarse(_mm512_sub_ps(s0, tv))), full));
-            __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_mov_ps(ok1, exp2_coarse(_mm512_sub_ps(s1, tv))), full));
-            isum[r] = _mm512_add_epi32(i0, i1);
+            rise[r] = top - m[r]; /* the block's weights are 2^rise times these, against the running max */
+            __m512 tv = _mm512_set1_ps(top);
+            __m512 p0 = _mm512_maskz_mov_ps(ok[r][0], exp2_coarse(_mm512_sub_ps(sc[r][0], tv)));
+            __m512 p1 = _mm512_maskz_mov_ps(ok[r][1], exp2_coarse(_mm512_sub_ps(sc[r][1], tv)));
+            psum[r] = _mm512_add_ps(p0, p1);
+            w[r][0] = _mm512_mul_ps(p0, vs0);
+            w[r][1] = _mm512_mul_ps(p1, vs1);
+            wm[r] = _mm512_max_ps(w[r][0], w[r][1]);
+        }
+        float bigs[16];
+        _mm512_storeu_ps(bigs, max_of_rows(wm[0], wm[1], wm[2], wm[3]));
+        for (int r = 0; r < R; r++) big[r] = bigs[4 * r];
+        /* For all R rows at once: 2^rise; 255 / the largest product (0 where all are 0); the
+         * step of a rounded product, 2^rise * largest / 255. */
+        const __mmask16 real = (__mmask16)((1u << R) - 1);
+        __m512 bigv = _mm512_maskz_loadu_ps(real, big), ev = exp2_ps(_mm512_maskz_loadu_ps(real, rise));
+        _mm512_storeu_ps(grow, ev);
+        _mm512_storeu_ps(pscale, _mm512_mul_ps(ev, _mm512_mul_ps(bigv, _mm512_set1_ps(1.0f / 255.0f))));
+        _mm512_storeu_ps(up, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(bigv, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                 _mm512_set1_ps(255.0f), bigv));
+        for (int r = 0; r < R; r++) {
+            l[r] = _mm512_fmadd_ps(psum[r], _mm512_set1_ps(grow[r]), l[r]);
+            /* 255 * w / max w <= 255 (+ the cubic's error, far under the half step): 0 .. 255 */
+            __m512 u = _mm512_set1_ps(up[r]);
+            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(w[r][0], u)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(w[r][1], u));
             _mm_storeu_si128((__m128i *)pw[r], _mm512_cvtepi32_epi8(i0));
             _mm_storeu_si128((__m128i *)(pw[r] + 4), _mm512_cvtepi32_epi8(i1));
         }
-        /* Each row's step of weight, 2^rise / 255, in one vector exp2 for all R rows. */
-        _mm512_storeu_ps(pscale, _mm512_mul_ps(exp2_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << R) - 1), rise)),
-                                               _mm512_set1_ps(1.0f / 255.0f)));
-        for (int r = 0; r < R; r++)
-            l[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(pscale[r]), l[r]);
         __m512i ai[4][8];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < DV; c++) ai[r][c] = _mm512_setzero_si512();
@@ -171,12 +212,9 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
                 for (int c = 0; c < DV; c++) ai[r][c] = dpbusd(ai[r][c], pb, vv[c]);
             }
         }
-        const float *vsb = vs + (kb / KEYS) * DV * 16;
         for (int r = 0; r < R; r++) {
             __m512 ps = _mm512_set1_ps(pscale[r]);
-            for (int c = 0; c < DV; c++)
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]),
-                                            _mm512_mul_ps(ps, _mm512_loadu_ps(vsb + c * 16)), acc[r][c]);
+            for (int c = 0; c < DV; c++) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), ps, acc[r][c]);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -194,24 +232,20 @@ static inline __m512i quad_lanes(__m512i a, __m512i b, __m512i c, __m512i d) {
     return _mm512_or_si512(w, _mm512_slli_epi32(d, 24));
 }
 
-/* The values of one kv head's block of 32 keys (from `first`, `count` of them real; v_stride
- * floats from one key to the next) -> vq's 8 quads x D lanes and the block's D channel scales. */
-static void value_block(const float *v, int64_t count, int64_t v_stride, int64_t d, uint32_t *dst, float *scale) {
-    for (int64_t c = 0; c < d / 16; c++) {
-        __m512 amax = _mm512_setzero_ps();
-        for (int64_t j = 0; j < count; j++) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + j * v_stride + c * 16)));
-        _mm512_storeu_ps(scale + c * 16, _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127.0f)));
-        __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                         _mm512_set1_ps(127.0f), amax);
-        for (int64_t t = 0; t < KEYS / 4; t++) {
-            __m512i s[4];
-            for (int64_t j = 0; j < 4; j++) {
-                int64_t key = 4 * t + j;
-                s[j] = key < count ? steps(_mm512_loadu_ps(v + key * v_stride + c * 16), inv) : _mm512_setzero_si512();
-            }
-            _mm512_storeu_si512(dst + t * d + c * 16, quad_lanes(s[0], s[1], s[2], s[3]));
-        }
+/* Keys 4t .. 4t + 3 of one kv head (v_stride floats from one key to the next; `count` of them
+ * real) -> vq's D lanes of 4 bytes, and the 4 keys' scales. */
+static void value_quad(const float *v, int64_t count, int64_t v_stride, int64_t d, uint32_t *dst, float *scale) {
+    __m512i s[4][8];
+    for (int64_t j = 0; j < 4; j++) {
+        int32_t total;
+        uint8_t codes[128];
+        scale[j] = j < count ? quantize_row(v + j * v_stride, NULL, d, 0, codes, &total) : 0.0f;
+        for (int64_t c = 0; c < d / 16; c++)
+            s[j][c] = j < count ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + c * 16)))
+                                : _mm512_setzero_si512();
     }
+    for (int64_t c = 0; c < d / 16; c++)
+        _mm512_storeu_si512(dst + c * 16, quad_lanes(s[0][c], s[1][c], s[2][c], s[3][c]));
 }
 #endif
 
@@ -228,20 +262,21 @@ int prefill_attention_i8(const float *q, int64_t n, const float *k, const float 
 #else
     int64_t group = heads / kv_heads, team = threads > 0 ? threads : 1, ctx = L - n;
     int R = d <= 64 ? 4 : 2, DV = (int)(d / 16);
-    int64_t lpad = (L + KEYS - 1) / KEYS * KEYS, quads = d / 4, blocks16 = lpad / 16, blocks = lpad / KEYS;
+    int64_t lpad = (L + KEYS - 1) / KEYS * KEYS, quads = d / 4, blocks16 = lpad / 16;
     uint32_t *kq = malloc(kv_heads * lpad * quads * sizeof(uint32_t));
     uint32_t *vq = malloc(kv_heads * lpad * quads * sizeof(uint32_t));
     uint32_t *qq = malloc(n * heads * quads * sizeof(uint32_t));
     int32_t *kcorr = malloc(kv_heads * lpad * sizeof(int32_t));
-    float *ks = malloc(kv_heads * lpad * sizeof(float)), *vs = malloc(kv_heads * blocks * d * sizeof(float));
+    float *ks = malloc(kv_heads * lpad * sizeof(float)), *vs = malloc(kv_heads * lpad * sizeof(float));
     float *qs = malloc(n * heads * sizeof(float)), *kmean = calloc(kv_heads * d, sizeof(float));
     if (!kq || !vq || !qq || !kcorr || !ks || !vs || !qs || !kmean) {
         free(kq), free(vq), free(qq), free(kcorr), free(ks), free(vs), free(qs), free(kmean);
         return -1;
     }
-    for (int64_t key = 0; key < L; key++) /* the mean key of each kv head: O(L * D) */
+    int64_t mean_keys = L < MEAN_KEYS ? L : MEAN_KEYS;
+    for (int64_t key = 0; key < mean_keys; key++) /* each kv head's mean key, in key order */
         for (int64_t i = 0; i < kv_heads * d; i++) kmean[i] += k[key * kv_heads * d + i];
-    for (int64_t i = 0; i < kv_heads * d; i++) kmean[i] /= (float)L;
+    for (int64_t i = 0; i < kv_heads * d; i++) kmean[i] /= (float)mean_keys;
     float mul = scale * LOG2E;
 #pragma omp parallel num_threads(team)
     {
@@ -264,11 +299,9 @@ int prefill_attention_i8(const float *q, int64_t n, const float *k, const float 
             }
         }
 #pragma omp for schedule(static) nowait
-        for (int64_t it = 0; it < kv_heads * blocks; it++) { /* values: blocks of 32 keys */
-            int64_t h = it / blocks, b = it % blocks, first = b * KEYS;
-            int64_t count = L - first < KEYS ? L - first : KEYS;
-            value_block(v + (first * kv_heads + h) * d, count, kv_heads * d, d, vq + (h * (lpad / 4) + first / 4) * d,
-                        vs + it * d);
+        for (int64_t it = 0; it < kv_heads * (lpad / 4); it++) { /* values: quads of keys */
+            int64_t h = it / (lpad / 4), first = (it % (lpad / 4)) * 4;
+            value_quad(v + (first * kv_heads + h) * d, L - first, kv_heads * d, d, vq + it * d, vs + h * lpad + first);
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < n * heads; it++) {
@@ -292,7 +325,7 @@ int prefill_attention_i8(const float *q, int64_t n, const float *k, const float 
             }
             const uint32_t *khead = kq + hk * blocks16 * quads * 16, *vhead = vq + hk * (lpad / 4) * d;
             const int32_t *chead = kcorr + hk * lpad;
-            const float *shead = ks + hk * lpad, *vshead = vs + hk * blocks * d;
+            const float *shead = ks + hk * lpad, *vshead = vs + hk * lpad;
             float *o = out + (r0 * heads + h) * d;
             if (DV == 4)
                 rows_block_i8(rq, rs, lim, rows, khead, chead, shead, vhead, vshead, 4, 4, o, heads * d);
