@@ -1,11 +1,11 @@
 """Which kernel a prefill chunk's attention runs on the CPU: EngineConfig.prefill_attention.
 
 `auto`, with int8 or int4 weights (the output is lossy anyway): the int8 kernel where it is built
-(AVX512-VNNI), else the float kernel where it is fast (AVX2 without AVX-512), else torch's SDPA;
-with float weights, torch's SDPA, fp32 throughout. Measured on a Zen 4 (AVX512-BF16 and VNNI, 2
-threads), one layer's 512-query chunk over 8K keys: int8 22.6-24.4 ms, the bf16 kernel 35-40 ms
-(torch's fp32 flash kernel 55-130 GFLOP/s against 250-290 for the bf16 one). How far each moves
-greedy output is in the README ("Prefill attention in int8").
+(AVX512-VNNI), else the float kernel where it is fast (AVX512-BF16, or AVX2 without AVX-512),
+else torch's SDPA; with float weights, torch's SDPA, fp32 throughout. Measured on a Zen 4
+(AVX512-BF16 and VNNI, 2 threads), one layer's 512-query chunk over 8K keys: int8 23.6-25.4 ms, the bf16 kernel 35-41 ms
+(torch's fp32 flash kernel runs at 55-130 GFLOP/s there, the bf16 one at 250-290). What each
+does to greedy output is in the README ("Prefill attention in int8").
 """
 
 from __future__ import annotations
