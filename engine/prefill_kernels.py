@@ -3,9 +3,9 @@
 `auto`, with int8 or int4 weights (the output is lossy anyway): the int8 kernel where it is built
 (AVX512-VNNI), else the float kernel where it is fast (AVX512-BF16, or AVX2 without AVX-512),
 else torch's SDPA; with float weights, torch's SDPA, fp32 throughout. Measured on a Zen 4
-(AVX512-BF16 and VNNI, 2 threads), one layer's 512-query chunk over 8K keys: int8 23.6-25.4 ms, the bf16 kernel 35-41 ms
-(torch's fp32 flash kernel runs at 55-130 GFLOP/s there, the bf16 one at 250-290). What each
-does to greedy output is in the README ("Prefill attention in int8").
+(AVX512-BF16 and VNNI, 2 threads), one layer's 512-query chunk over 8K keys: int8 23.6-25.4 ms,
+the bf16 kernel 35-41 ms (torch's fp32 flash kernel runs at 55-130 GFLOP/s there, the bf16 one at
+250-290). What each does to greedy output is in the README ("Prefill attention in int8").
 """
 
 from __future__ import annotations
