@@ -32,6 +32,7 @@ from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route, RoutingPolicy
 from cluster.shutdown import Outcome, Step, run_steps
+from cluster.start_failures import GIVE_UP_AFTER, WorkersCannotStart
 from cluster.state import ClusterState
 from cluster.view import ViewRefresher
 from cluster.worker_actors import kill_workers
@@ -167,9 +168,11 @@ class Cluster:
 
     def wait_ready(self, timeout: float = 180.0, stop: threading.Event | None = None) -> bool:
         """Block until every desired worker is up and registered (True), or `stop` is set
-        (False). Raises TimeoutError."""
+        (False). Raises WorkersCannotStart as soon as a pool's workers keep dying before they
+        answer (cluster/start_failures.py), TimeoutError after `timeout`."""
         pause = stop or threading.Event()
         end = time.monotonic() + timeout
+        checked = 0.0
         while time.monotonic() < end:
             desired = self.state.desired()
             ws = self.workers()
@@ -178,6 +181,12 @@ class Cluster:
             }
             if all(up[r] >= n for r, n in desired.items()) and sum(desired.values()) > 0:
                 return True
+            if time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                status = self.manager_status(timeout_s=2.0)
+                for f in status.start_failures if status is not None else ():
+                    if f.count >= GIVE_UP_AFTER and desired.get(f.role, 0) > 0 and up.get(f.role, 0) == 0:
+                        raise WorkersCannotStart(f.role, f.count, f.reason)
             if pause.wait(0.25):
                 return False
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")

@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from cluster.config import ClusterConfig, role_config
+from cluster.start_failures import StartFailure
 from engine.config import EngineConfig
 from engine.roles import ROLES
 
@@ -35,6 +36,7 @@ class ManagerStatus:
     desired: dict[str, int] | None  # the sizes it works to (None: never read); a copy
     pid: int = 0  # its process
     adopted: tuple[str, ...] = ()  # workers it found running when it started (after a restart)
+    start_failures: tuple[StartFailure, ...] = ()  # roles whose workers died before answering, and why
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import ray
 
 from cluster.manager_link import ManagerStatus, PoolSpec
 from cluster.pool_plan import Limits, RoundPlan, WorkerHealth, decide
+from cluster.start_failures import StartFailures
 from cluster.state import ClusterState, StateUnavailable
 from cluster.worker_actors import adopt, new_worker_id, next_count, start_worker
 from cluster.worker_table import Seen, WorkerRecord, WorkerTable, probe
@@ -69,6 +70,7 @@ class PoolManager:
         self._lock = threading.Lock()  # guards _workers, record states, _epoch; never held over a call
         self._round_lock = threading.Lock()  # one round at a time; the request path never takes it
         self._epoch = 0  # bumped by drain(): a round planned before it must not also resize
+        self._failures = StartFailures()  # workers dead before their first answer, by role (rounds only)
         self._table = WorkerTable(tuple(w.entry() for w in self._workers.values()))
         self._status = ManagerStatus(0, True, None, os.getpid(), tuple(self._workers))
         for w in self._workers.values():
@@ -172,7 +174,12 @@ class PoolManager:
             health = [self._health(w, seen.get(w.worker_id, Seen()), now) for w in workers]
             plan = decide(health, desired, self.limits)
             removed, drains, turns, resize = self._apply(plan, epoch)
+            by_id = {w.worker_id: w for w in workers}
+            for wid in plan.promote:
+                self._failures.came_up(by_id[wid].role)
             for w, reason in removed:
+                if reason == "failed to start":
+                    reason = f"{reason}: {self._failures.failed(w.role, seen[w.worker_id].error, now).reason}"
                 self._kill(w, reason)
             for w in drains:
                 self._send_drain(w)
@@ -180,11 +187,13 @@ class PoolManager:
                 w.flip_ref = w.handle.flip.remote(self.configs[w.flip_to])
             if resize and not self._stop.is_set():
                 for role in plan.start:
-                    self._start(role)
+                    if self._failures.may_start(role, now):  # backing off after failed starts
+                        self._start(role)
             s = self._status
             self._status = dataclasses.replace(
-                s, rounds=s.rounds + 1, state_ok=state_ok, desired=None if desired is None else dict(desired)
-            )
+                s, rounds=s.rounds + 1, state_ok=state_ok, desired=None if desired is None else dict(desired),
+                start_failures=self._failures.snapshot(),
+            )  # fmt: skip
 
     def _read_desired(self) -> tuple[dict[str, int] | None, bool]:
         """The desired sizes and whether Redis answered. An outage keeps the last ones read;

@@ -9,6 +9,7 @@ its pings run on their own lane (cluster/actors.py), so a healthy worker answers
 streams it runs.
 
     dead                              a call failed with an actor error: it is gone   remove now
+                                      ("failed to start" if it never answered: cluster/start_failures.py)
     starting, never answered, age_s > start_timeout_s                                  remove
     up, silent_s > unresponsive_s     no ping answered for that long: frozen           remove
     draining                          only once idle() says True (or it is dead);
@@ -59,7 +60,7 @@ class WorkerHealth:
 @dataclass(frozen=True)
 class Removal:
     worker_id: str
-    reason: str  # died | did not start | unresponsive | drained
+    reason: str  # died | failed to start | did not start | unresponsive | drained
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class RoundPlan:
 def removal(w: WorkerHealth, limits: Limits) -> Removal | None:
     """Why `w` must go now, or None: see the table in the module docstring."""
     if w.dead:
-        return Removal(w.worker_id, "died")
+        return Removal(w.worker_id, "died" if w.silent_s is not None else "failed to start")
     if w.state == "draining":
         return Removal(w.worker_id, "drained") if w.idle else None
     if w.state == "flipping":

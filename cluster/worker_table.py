@@ -17,6 +17,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.pool_plan import State
+from cluster.start_failures import death_reason
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class WorkerRecord:
 @dataclass
 class Seen:
     dead: bool = False
+    error: str = ""  # dead: what killed it (start_failures.death_reason)
     idle: bool = False
     flipped_s: float | None = None  # a flip answered: the seconds its switch took
     flip_error: str = ""  # a flip refused (the worker lives): why
@@ -99,8 +101,8 @@ def probe(workers: list[WorkerRecord], lock: threading.Lock, wait_s: float) -> d
         if w.flip_ref in ready:
             try:
                 s.flipped_s = float(ray.get(w.flip_ref, timeout=0))
-            except RayActorError:
-                s.dead = True
+            except RayActorError as e:
+                s.dead, s.error = True, death_reason(e)
             except Exception as e:  # refused, the worker alive: it is drained and idle, so it goes
                 s.flip_error = f"{type(e).__name__}: {e}"
             w.flip_ref = None
@@ -114,6 +116,6 @@ def answer(ref: Any, seen: Seen) -> tuple[bool, Any]:
         return True, ray.get(ref, timeout=0)
     except ActorUnavailableError:
         return False, None
-    except Exception:
-        seen.dead = True
+    except Exception as e:
+        seen.dead, seen.error = True, death_reason(e)
         return False, None

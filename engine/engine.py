@@ -51,7 +51,7 @@ class Engine:
             raise ValueError(f"the model is on {model.device}, the engine's config says {config.torch_device}")
         self.config = config
         self.model = model
-        if model.native is not None:  # on the CPU (engines that share a model share its kernel)
+        if model.device.type == "cpu":  # (engines that share a model share its kernel)
             model.prefill_attention = pick_prefill_attention(
                 config.prefill_attention, model.native, model.quantized, model.config.head_dim
             )

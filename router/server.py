@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, NoReturn
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 import pydantic
 import uvicorn
 
+from cluster.start_failures import WorkersCannotStart
 from router import autoscale_flags, stopping
 from router.port_check import PortUnavailable, check_port_free
 from router.ray_watch import RayWatch, gcs_reachable
@@ -201,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         if cluster.wait_ready(stop=signals.requested):
             loaded.set()
             code = _route(cluster, settings, args, autoscale, started, stop, signals)
+    except (WorkersCannotStart, TimeoutError) as e:  # the pools never came up: say why, no traceback
+        print(f"tandem serve: {e}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         stopping.absorb_stop_signals()
         loaded.set()
