@@ -173,6 +173,7 @@ class Cluster:
         pause = stop or threading.Event()
         end = time.monotonic() + timeout
         checked = 0.0
+        self._check_gpus()
         while time.monotonic() < end:
             desired = self.state.desired()
             ws = self.workers()
@@ -190,6 +191,16 @@ class Cluster:
             if pause.wait(0.25):
                 return False
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")
+
+    def _check_gpus(self) -> None:
+        """Raises WorkersCannotStart where a worker claims a GPU that this Ray, started here and
+        so never growing, does not have: Ray would keep it pending, and wait_ready would wait."""
+        needed = self.config.engine.num_gpus
+        have = ray.cluster_resources().get("GPU", 0) if needed else 0  # type: ignore[no-untyped-call]
+        if needed and not self.joined_ray and have < needed:
+            role = next((r for r, n in self.state.desired().items() if n > 0), "every")
+            why = f"device {self.config.engine.device} claims {needed} GPU a worker; the Ray started here has {have:g}"
+            raise WorkersCannotStart(role, 0, f"{why} (a CPU-only torch wheel, or no driver)")
 
     @property
     def embedded_redis(self) -> EmbeddedRedis | None:

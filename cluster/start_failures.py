@@ -71,5 +71,6 @@ class WorkersCannotStart(RuntimeError):
     """A pool's workers keep dying before they answer: Cluster.wait_ready gives up at once."""
 
     def __init__(self, role: str, count: int, reason: str) -> None:
-        super().__init__(f"{role} workers fail to start ({count} in a row): {reason}")
+        tries = f" ({count} in a row)" if count else ""  # 0: refused before any start
+        super().__init__(f"{role} workers fail to start{tries}: {reason}")
         self.role, self.count, self.reason = role, count, reason

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.start_failures import GIVE_UP_AFTER, WorkersCannotStart
@@ -54,3 +55,16 @@ def test_serve_whose_workers_cannot_start_says_why_and_exits_1(tmp_path: Path) -
            "not available (no C library here): use auto or torch" in done.stderr  # fmt: skip
     assert "Traceback" not in done.stderr and "Traceback" not in done.stdout
     assert "tandem: stopped" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: cuda workers would start")
+def test_serve_on_cuda_without_a_gpu_says_so_at_once() -> None:
+    """Ray keeps a worker that claims a GPU it lacks pending, silently: serve waited 180 s."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--device", "cuda", "--port", str(free_port())]
+    t = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert time.monotonic() - t < 90
+    assert "workers fail to start: device cuda claims 1 GPU a worker; the Ray started here has 0" in done.stderr
+    assert "Traceback" not in done.stderr
