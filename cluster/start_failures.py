@@ -41,7 +41,8 @@ class StartFailures:
 
     def failed(self, role: str, reason: str, now: float) -> StartFailure:
         last = self._by_role.get(role)
-        self._by_role[role] = f = StartFailure(role, (last.count if last else 0) + 1, reason, now)
+        why = reason or "it died before its first answer"
+        self._by_role[role] = f = StartFailure(role, (last.count if last else 0) + 1, why, now)
         return f
 
     def came_up(self, role: str) -> None:

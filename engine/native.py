@@ -1,7 +1,7 @@
 """The decode step's small ops, its attention and its int8 and int4 matmuls as one C call each,
-the whole layer stack of a decode step as one call, and a prefill chunk's attention
-(engine/csrc/: decode.c, attention.c, linear_i8.c, linear_q4.c, decode_layers.c,
-prefill_attention.c), built on first use.
+the whole layer stack of a decode step as one call, and a prefill chunk's attention in floats or
+int8 (engine/csrc/: decode.c, attention.c, linear_i8.c, linear_q4.c, decode_layers.c,
+prefill_attention.c, prefill_attention_i8.c), built on first use.
 
 On the CPU a one-stream decode step was mostly dispatch: each layer ran ~40 torch ops on a
 576-wide row at ~3 us apiece, and the KV of every decode row was gathered (copied) before SDPA
@@ -258,10 +258,11 @@ class NativeOps:
         return bool(self._lib.prefill_attention_i8_fast())
 
     def prefill_attention_i8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`prefill_attention` with int8 dot products: q and k (less its mean key) rounded to int8
-        per row, the softmax weights to 8 bits against each block of 32 keys' largest, v to int8
-        per block and channel (engine/csrc/prefill_attention_i8.c). Raises as `prefill_attention`
-        does, and RuntimeError where the kernel is not built (`prefill_attention_i8_fast`)."""
+        """`prefill_attention` with int8 dot products: q, k (less the mean of its first 16 keys)
+        and v rounded to int8 per row, each block of 32 keys' softmax weights times their value's
+        scale to 255ths of the block's largest (engine/csrc/prefill_attention_i8.c): a row's bits
+        depend only on the keys it sees. Raises as `prefill_attention` does, and RuntimeError
+        where the kernel is not built (`prefill_attention_i8_fast`)."""
         return self._prefill(self._lib.prefill_attention_i8, q, k, v)
 
     def _prefill(self, kernel: Callable[..., int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
