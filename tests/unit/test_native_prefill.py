@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import native
-from engine.attention import AttentionMetadata, PrefillChunk, paged_attention
+from engine.attention import AttentionMetadata, PrefillAttention, PrefillChunk, paged_attention
 from engine.linear import cpu_flags
 from engine.model import LlamaModel
 from engine.weights import random_weights
@@ -128,8 +128,9 @@ def test_a_shape_it_does_not_take_is_a_clear_error(ops: native.NativeOps) -> Non
         ops.prefill_attention(q, k, v)
 
 
-@pytest.mark.parametrize(("context_len", "n"), [(0, 40), (16, 9), (37, 64)])
-def test_the_paged_path_through_it_equals_the_masked_reference(ops: native.NativeOps, context_len: int, n: int) -> None:
+def through_the_paged_path(kernel: PrefillAttention, context_len: int, n: int) -> tuple[torch.Tensor, ...]:
+    """A chunk of n queries after context_len cached tokens, through paged_attention with
+    `kernel`, its KV in scattered blocks: (out, q, k, v), k and v whole (context, then chunk)."""
     heads, kv_heads, d, bs = 6, 2, 64, 4
     total = context_len + n
     g = torch.Generator().manual_seed(total)
@@ -141,8 +142,15 @@ def test_the_paged_path_through_it_equals_the_masked_reference(ops: native.Nativ
     k_cache, v_cache = (torch.zeros((num_blocks + 3) * bs, kv_heads, d) for _ in range(2))
     k_cache[slots], v_cache[slots] = k, v
     meta = AttentionMetadata(slots[context_len:], 0, None, None, (PrefillChunk(0, n, context_len, table),))
-    out = paged_attention(q, k[context_len:], v[context_len:], k_cache, v_cache, meta, bs, None, ops.prefill_attention)
-    check(ops, out, q, k, v)
+    return paged_attention(q, k[context_len:], v[context_len:], k_cache, v_cache, meta, bs, None, kernel), q, k, v
+
+
+PAGED_CASES = [(0, 40), (16, 9), (37, 64)]  # context_len, n
+
+
+@pytest.mark.parametrize(("context_len", "n"), PAGED_CASES)
+def test_the_paged_path_through_it_equals_the_masked_reference(ops: native.NativeOps, context_len: int, n: int) -> None:
+    check(ops, *through_the_paged_path(ops.prefill_attention, context_len, n))
 
 
 def test_an_int8_model_takes_a_c_kernel_where_the_cpu_runs_one_fast(ops: native.NativeOps) -> None:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from engine import native
-from engine.attention import AttentionMetadata, PrefillChunk, paged_attention
 from engine.config import PREFILL_ATTENTION, EngineConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
@@ -19,7 +18,7 @@ from engine.prefill_kernels import kernel_name, pick_prefill_attention
 from engine.weights import random_weights
 from router.serve_args import PREFILL_KERNELS, parse
 from tests.unit.test_attention import reference
-from tests.unit.test_native_prefill import HEADROOM, KEYS, SHAPES, inputs
+from tests.unit.test_native_prefill import HEADROOM, KEYS, PAGED_CASES, SHAPES, inputs, through_the_paged_path
 from tests.unit.tiny import TINY
 
 MEAN_KEYS = 16  # the keys the kernel's mean key is taken over
@@ -162,23 +161,9 @@ def test_a_shape_it_does_not_take_is_a_clear_error(i8: native.NativeOps) -> None
         i8.prefill_attention_i8(*inputs(4, 4, 5, 2, 64, seed=1))
 
 
-@pytest.mark.parametrize(("context_len", "n"), [(0, 40), (16, 9), (37, 64)])
+@pytest.mark.parametrize(("context_len", "n"), PAGED_CASES)
 def test_the_paged_path_through_it_equals_the_masked_reference(i8: native.NativeOps, context_len: int, n: int) -> None:
-    heads, kv_heads, d, bs = 6, 2, 64, 4
-    total = context_len + n
-    g = torch.Generator().manual_seed(total)
-    q = torch.randn(n, heads, d, generator=g)
-    k, v = (torch.randn(total, kv_heads, d, generator=g) for _ in range(2))
-    num_blocks = -(-total // bs)
-    table = torch.randperm(num_blocks + 3, generator=g)[:num_blocks]
-    slots = (table.repeat_interleave(bs) * bs + torch.arange(bs).repeat(num_blocks))[:total]
-    k_cache, v_cache = (torch.zeros((num_blocks + 3) * bs, kv_heads, d) for _ in range(2))
-    k_cache[slots], v_cache[slots] = k, v
-    meta = AttentionMetadata(slots[context_len:], 0, None, None, (PrefillChunk(0, n, context_len, table),))
-    out = paged_attention(
-        q, k[context_len:], v[context_len:], k_cache, v_cache, meta, bs, None, i8.prefill_attention_i8
-    )
-    check(out, q, k, v)
+    check(*through_the_paged_path(i8.prefill_attention_i8, context_len, n))
 
 
 def test_auto_picks_int8_for_quantized_weights_and_torch_for_float_ones(ops: native.NativeOps) -> None:
