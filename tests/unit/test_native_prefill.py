@@ -101,21 +101,21 @@ def test_scores_that_keep_rising_move_the_max_many_times(ops: native.NativeOps) 
     check(ops, ops.prefill_attention(q, k, v), q, k, v)
 
 
-def on_threads(ops: native.NativeOps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """The op's output on 1, 2 and 3 threads."""
+def on_threads(kernel: PrefillAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's output on 1, 2 and 3 threads."""
     before = torch.get_num_threads()
     try:
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            outs.append(ops.prefill_attention(q, k, v))
+            outs.append(kernel(q, k, v))
     finally:
         torch.set_num_threads(before)
     return outs
 
 
 def test_the_same_bits_on_any_number_of_threads(ops: native.NativeOps) -> None:
-    outs = on_threads(ops, *inputs(45, 300, 9, 3, 64, seed=7))
+    outs = on_threads(ops.prefill_attention, *inputs(45, 300, 9, 3, 64, seed=7))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
@@ -180,7 +180,7 @@ def test_without_avx512_the_avx2_kernel_computes_exact_attention_in_fp32(tmp_pat
     assert torch.equal(avx2.prefill_attention(q[110:].contiguous(), k, v), avx2.prefill_attention(q, k, v)[110:])
     q, k, v = inputs(45, 300, 9, 3, 64, seed=8)
     q, k = q.abs() + 0.5, k.abs() * torch.linspace(0.05, 4.0, 300)[:, None, None]  # the max moves many times
-    outs = on_threads(avx2, q, k, v)
+    outs = on_threads(avx2.prefill_attention, q, k, v)
     check(avx2, outs[0], q, k, v)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 

@@ -18,7 +18,15 @@ from engine.prefill_kernels import kernel_name, pick_prefill_attention
 from engine.weights import random_weights
 from router.serve_args import PREFILL_KERNELS, parse
 from tests.unit.test_attention import reference
-from tests.unit.test_native_prefill import HEADROOM, KEYS, PAGED_CASES, SHAPES, inputs, through_the_paged_path
+from tests.unit.test_native_prefill import (
+    HEADROOM,
+    KEYS,
+    PAGED_CASES,
+    SHAPES,
+    inputs,
+    on_threads,
+    through_the_paged_path,
+)
 from tests.unit.tiny import TINY
 
 MEAN_KEYS = 16  # the keys the kernel's mean key is taken over
@@ -139,14 +147,7 @@ def test_scores_that_keep_rising_move_the_max_many_times(i8: native.NativeOps) -
 
 def test_the_same_bits_on_any_number_of_threads_and_in_any_chunk(i8: native.NativeOps) -> None:
     q, k, v = inputs(45, 300, 9, 3, 64, seed=7)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs.append(i8.prefill_attention_i8(q, k, v))
-    finally:
-        torch.set_num_threads(before)
+    outs = on_threads(i8.prefill_attention_i8, q, k, v)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     # a row's bits do not depend on the chunk it came in (a prefix hit, a later chunk), nor on
     # the keys after it (an earlier chunk of the same prompt: 20 rows over the 255 + 20 keys)
