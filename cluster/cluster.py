@@ -156,7 +156,13 @@ class Cluster:
         return out
 
     def status(self) -> dict[str, Any]:
-        return {"desired": self.state.desired(), "workers": self.workers()}
+        """Desired sizes, the workers, and the roles whose workers died before they answered
+        (why, how many in a row; [] while the pool manager does not answer within a second)."""
+        manager = self.manager_status(timeout_s=1.0)
+        failures = [
+            {"role": f.role, "count": f.count, "reason": f.reason} for f in (manager.start_failures if manager else ())
+        ]
+        return {"desired": self.state.desired(), "workers": self.workers(), "start_failures": failures}
 
     def manager_status(self, timeout_s: float = 5.0) -> ManagerStatus | None:
         """The pool manager's own status; None while it does not answer (dead, or restarting)."""

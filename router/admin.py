@@ -30,10 +30,12 @@ WORKER_FIELDS = (
 
 
 def pools(status: dict[str, Any]) -> dict[str, Any]:
-    """The operator's view: desired sizes, and per worker its role, node, load, KV usage and state."""
+    """The operator's view: desired sizes, per worker its role, node, load, KV usage and state, and
+    the roles whose workers keep dying before they start (cluster/start_failures.py), with why."""
     workers = [{k: w.get(k) for k in WORKER_FIELDS} for w in status.get("workers", [])]
     up = {r: sum(1 for w in workers if w["role"] == r and w["state"] == "up") for r in ROLES}
-    return {"desired": status.get("desired", {}), "up": up, "workers": workers}
+    failures = status.get("start_failures", [])
+    return {"desired": status.get("desired", {}), "up": up, "workers": workers, "start_failures": failures}
 
 
 def can_serve(sizes: Mapping[str, int]) -> bool:

@@ -35,6 +35,8 @@ def test_workers_that_cannot_build_their_engine_stop_wait_ready_with_the_reason(
         failures = {f.role: f for f in status.start_failures}
         assert any(f.count >= GIVE_UP_AFTER for f in failures.values())  # the pool that gave up
         assert all("prefill_attention 'int8' is not available" in f.reason for f in failures.values())
+        shown = c.status()["start_failures"]  # what /admin/pools shows
+        assert shown and all("prefill_attention 'int8' is not available" in f["reason"] for f in shown)
         downs = [f for _, f in c.state.events(count=500) if f.get("kind") == "worker_down"]
         assert downs and all(f["reason"].startswith("failed to start: ValueError: prefill_attention") for f in downs)
     finally:

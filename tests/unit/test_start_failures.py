@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cluster.pool_plan import Limits, Removal, WorkerHealth, decide
 from cluster.start_failures import BACKOFF_S, StartFailures, WorkersCannotStart, death_reason
+from router.admin import pools
 
 RAY_TEXT = """The actor died because of an error raised in its creation task, ray::tandem-x-p1-1:PDActor.__init__() \
 (pid=1, ip=127.0.0.1, actor_id=ab)
@@ -52,3 +53,10 @@ def test_a_worker_dead_before_its_first_answer_failed_to_start() -> None:
     plan = decide([never, answered], {"decode": 2}, Limits())
     assert plan.remove == (Removal("d0", "failed to start"), Removal("d1", "died"))
     assert plan.start == ("decode", "decode")  # the pool manager holds them back while its role backs off
+
+
+def test_admin_pools_shows_the_roles_that_cannot_start_and_why() -> None:
+    failing = [{"role": "decode", "count": 3, "reason": "ValueError: not a GGUF v2/v3 file"}]
+    view = pools({"desired": {"decode": 1}, "workers": [], "start_failures": failing})
+    assert view["start_failures"] == failing and view["up"]["decode"] == 0
+    assert pools({"desired": {}, "workers": []})["start_failures"] == []  # a status from before them
