@@ -179,7 +179,7 @@ class Cluster:
         pause = stop or threading.Event()
         end = time.monotonic() + timeout
         checked = 0.0
-        self._check_gpus()
+        self._check_placement()
         while time.monotonic() < end:
             desired = self.state.desired()
             ws = self.workers()
@@ -198,15 +198,23 @@ class Cluster:
                 return False
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")
 
-    def _check_gpus(self) -> None:
-        """Raises WorkersCannotStart where a worker claims a GPU that this Ray, started here and
-        so never growing, does not have: Ray would keep it pending, and wait_ready would wait."""
+    def _check_placement(self) -> None:
+        """Raises WorkersCannotStart where a worker could never be placed on this Ray, which was
+        not joined (no RAY_ADDRESS) and so never grows: its role has no slot on it (a Ray that
+        something else in this process started without Tandem's node resources), or it claims a
+        GPU the Ray lacks. Ray keeps such a worker pending without a word."""
+        if self.joined_ray:
+            return
+        have = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        for role, n in self.state.desired().items():
+            if n > 0 and have.get(role, 0) < 1:
+                why = "(a Ray started in this process without them: cluster/inventory.py's node_resources)"
+                raise WorkersCannotStart(role, 0, f"the Ray here has no {role!r} worker slots {why}")
         needed = self.config.engine.num_gpus
-        have = ray.cluster_resources().get("GPU", 0) if needed else 0  # type: ignore[no-untyped-call]
-        if needed and not self.joined_ray and have < needed:
+        if needed and have.get("GPU", 0) < needed:
             role = next((r for r, n in self.state.desired().items() if n > 0), "every")
-            why = f"device {self.config.engine.device} claims {needed} GPU a worker; the Ray started here has {have:g}"
-            raise WorkersCannotStart(role, 0, f"{why} (a CPU-only torch wheel, or no driver)")
+            why = f"device {self.config.engine.device} claims {needed} GPU a worker; the Ray started here has "
+            raise WorkersCannotStart(role, 0, f"{why}{have.get('GPU', 0):g} (a CPU-only torch wheel, or no driver)")
 
     @property
     def embedded_redis(self) -> EmbeddedRedis | None:

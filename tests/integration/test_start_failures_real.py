@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from cluster.cluster import Cluster, ClusterConfig
@@ -70,3 +71,18 @@ def test_serve_on_cuda_without_a_gpu_says_so_at_once() -> None:
     assert time.monotonic() - t < 90
     assert "workers fail to start: device cuda claims 1 GPU a worker; the Ray started here has 0" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_ray_without_the_role_slots_is_refused_at_once() -> None:
+    """A Ray that something else in this process started (a bare ray.init: what a Ray API call
+    after a Cluster's shutdown does) has no role slots: its workers could never be placed."""
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        c = Cluster.connect(ClusterConfig(namespace="noslots", engine=EngineConfig(dtype="int8", num_threads=1)))
+        try:
+            with pytest.raises(WorkersCannotStart, match=r"the Ray here has no '(prefill|decode)' worker slots"):
+                c.wait_ready(60)
+        finally:
+            c.shutdown()
+    finally:
+        ray.shutdown()
