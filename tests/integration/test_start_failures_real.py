@@ -44,9 +44,9 @@ def test_workers_that_cannot_build_their_engine_stop_wait_ready_with_the_reason(
         c.shutdown()
 
 
-def test_serve_whose_workers_cannot_start_says_why_and_exits_1(tmp_path: Path) -> None:
-    """`tandem serve` with a kernel its workers cannot run: one line, no traceback, exit 1, and
-    nothing left behind (it ran 180 s, then printed a TimeoutError's traceback)."""
+def test_serve_whose_workers_cannot_start_says_why_and_exits_1() -> None:
+    """`tandem serve` with a kernel its workers cannot run: one line, no traceback, exit 1, after
+    stopping what it started (it ran 180 s, then printed a TimeoutError's traceback)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"TANDEM_NATIVE": "0"}
     cmd = [sys.executable, "-m", "cli.main", "serve", "--colocated", "1", "--prefill-attention", "int8",
            "--port", str(free_port())]  # fmt: skip
@@ -76,6 +76,8 @@ def test_serve_on_cuda_without_a_gpu_says_so_at_once() -> None:
 def test_a_ray_without_the_role_slots_is_refused_at_once() -> None:
     """A Ray that something else in this process started (a bare ray.init: what a Ray API call
     after a Cluster's shutdown does) has no role slots: its workers could never be placed."""
+    if ray.is_initialized():  # one left by an earlier test would have its slots
+        ray.shutdown()
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         c = Cluster.connect(ClusterConfig(namespace="noslots", engine=EngineConfig(dtype="int8", num_threads=1)))
