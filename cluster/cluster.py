@@ -14,14 +14,13 @@ import functools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import ray
 
-from cluster import manager_link
+from cluster import manager_link, readiness
 from cluster.config import ClusterConfig, ray_env
 from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
@@ -32,7 +31,6 @@ from cluster.redis_server import EmbeddedRedis
 from cluster.request_run import RequestRun, WorkerDiedError
 from cluster.routing import Route, RoutingPolicy
 from cluster.shutdown import Outcome, Step, run_steps
-from cluster.start_failures import GIVE_UP_AFTER, WorkersCannotStart
 from cluster.state import ClusterState
 from cluster.view import ViewRefresher
 from cluster.worker_actors import kill_workers
@@ -174,47 +172,9 @@ class Cluster:
 
     def wait_ready(self, timeout: float = 180.0, stop: threading.Event | None = None) -> bool:
         """Block until every desired worker is up and registered (True), or `stop` is set
-        (False). Raises WorkersCannotStart as soon as a pool's workers keep dying before they
-        answer (cluster/start_failures.py), TimeoutError after `timeout`."""
-        pause = stop or threading.Event()
-        end = time.monotonic() + timeout
-        checked = 0.0
-        self._check_placement()
-        while time.monotonic() < end:
-            desired = self.state.desired()
-            ws = self.workers()
-            up = {
-                r: sum(1 for w in ws if w["role"] == r and w["state"] == "up" and "free_blocks" in w) for r in desired
-            }
-            if all(up[r] >= n for r, n in desired.items()) and sum(desired.values()) > 0:
-                return True
-            if time.monotonic() - checked >= 1.0:
-                checked = time.monotonic()
-                status = self.manager_status(timeout_s=2.0)
-                for f in status.start_failures if status is not None else ():
-                    if f.count >= GIVE_UP_AFTER and desired.get(f.role, 0) > 0 and up.get(f.role, 0) == 0:
-                        raise WorkersCannotStart(f.role, f.count, f.reason)
-            if pause.wait(0.25):
-                return False
-        raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {self.status()}")
-
-    def _check_placement(self) -> None:
-        """Raises WorkersCannotStart where a worker could never be placed on this Ray, which was
-        not joined (no RAY_ADDRESS) and so never grows: its role has no slot on it (a Ray that
-        something else in this process started without Tandem's node resources), or it claims a
-        GPU the Ray lacks. Ray keeps such a worker pending without a word."""
-        if self.joined_ray:
-            return
-        have = ray.cluster_resources()  # type: ignore[no-untyped-call]
-        for role, n in self.state.desired().items():
-            if n > 0 and have.get(role, 0) < 1:
-                why = "(a Ray started in this process without them: cluster/inventory.py's node_resources)"
-                raise WorkersCannotStart(role, 0, f"the Ray here has no {role!r} worker slots {why}")
-        needed = self.config.engine.num_gpus
-        if needed and have.get("GPU", 0) < needed:
-            role = next((r for r, n in self.state.desired().items() if n > 0), "every")
-            why = f"device {self.config.engine.device} claims {needed} GPU a worker; the Ray started here has "
-            raise WorkersCannotStart(role, 0, f"{why}{have.get('GPU', 0):g} (a CPU-only torch wheel, or no driver)")
+        (False). Raises WorkersCannotStart where they never can (cluster/readiness.py),
+        TimeoutError after `timeout`."""
+        return readiness.wait_ready(self, timeout, stop)
 
     @property
     def embedded_redis(self) -> EmbeddedRedis | None:

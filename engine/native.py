@@ -15,49 +15,30 @@ context 57.8 -> 31.6 ms. With int8 weights the matmuls are linear_i8's: activati
 per row (a row's result does not depend on its batch), 2-4x fbgemm's speed at 1-9 rows; the
 projections keep a second copy of their int8 weights in its layout (RowQuantWeight).
 
-The library is compiled with the system's C compiler (`cc`, or `$CC`) for this CPU
-(-march=native) into `$XDG_CACHE_HOME/tandem/native/<hash>.so` (default ~/.cache), keyed by the
-source, the flags, the compiler and the CPU's flags; written to a temporary file and renamed, so
-workers starting together never load half a file. Without a compiler, or with TANDEM_NATIVE=0,
-`ops()` is None and the engine runs its torch ops (logged once, with the reason).
+The library is compiled for this CPU on first use (engine/native_build.py). Without a compiler,
+or with TANDEM_NATIVE=0, `ops()` is None and the engine runs its torch ops (logged once, with
+the reason).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
 from engine.kv_codec import SCALE_BYTES
-from engine.linear import RowQuantWeight, cpu_flags
+from engine.linear import RowQuantWeight
+from engine.native_build import build, cache_dir
 from engine.q4_weight import Q4Weight
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-_C_FILES = (
-    "decode.c",
-    "attention.c",
-    "linear_i8.c",
-    "linear_q4.c",
-    "prefill_attention.c",
-    "prefill_attention_i8.c",
-    "decode_layers.c",
-)
-SOURCES = tuple(CSRC / name for name in _C_FILES)
-HEADERS = tuple(sorted(CSRC.glob("*.h")))  # all of them in the build's key: no list to forget one in
-# -fno-trapping-math lets the exp and min/max loops vectorize; -ffp-contract=off: no fused
-# multiply-adds, so RoPE rounds as torch's separate ops do
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC")
 MAX_HEAD_DIM = 512  # rope_write's scratch row
 # the caches the C side reads and writes, by their tensor's dtype: engine/csrc/common.h's KV_ kinds
 KV_KIND = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
@@ -279,40 +260,6 @@ class NativeOps:
         return out
 
 
-def library_path(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Where the library built by `compiler` with `flags` for this source and CPU lives."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    h = hashlib.sha256()
-    for source in (*SOURCES, *HEADERS):
-        h.update(source.read_bytes())
-    for part in (" ".join(flags), version, " ".join(sorted(cpu_flags()))):
-        h.update(part.encode())
-    return cache_dir / f"decode-{h.hexdigest()[:16]}.so"
-
-
-def build(cache_dir: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """The library, compiled unless already there. Raises OSError or CalledProcessError. (Other
-    flags than FLAGS: tests, e.g. the plain loops of a CPU without AVX-512.)"""
-    path = library_path(cache_dir, compiler, flags)
-    if path.exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [compiler, *flags, "-shared", "-o", tmp, *map(str, SOURCES), "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "native"
-
-
 @functools.cache
 def ops() -> NativeOps | None:
     """The fused ops for this process, or None (logged once, with why) where they cannot be had."""
@@ -321,7 +268,7 @@ def ops() -> NativeOps | None:
         return None
     compiler = os.environ.get("CC", "cc")
     try:
-        lib = ctypes.CDLL(str(build(_cache_dir(), compiler)))
+        lib = ctypes.CDLL(str(build(cache_dir(), compiler)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
         log.warning("native decode ops unavailable (%s: %s): the decode step runs torch ops", compiler, detail)

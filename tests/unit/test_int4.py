@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import native
+from engine import native, native_build
 from engine.linear import cpu_flags
 from engine.model import LlamaModel
 from engine.q4_weight import Q4Weight
@@ -74,7 +74,7 @@ def test_the_product_is_the_per_row_quantized_one(ops: native.NativeOps) -> None
 def test_every_path_gives_the_same_bits(ops: native.NativeOps, tmp_path: Path, without: tuple[str, ...]) -> None:
     """Each channel's sum runs the same fused multiply-adds in the same order on every path: this
     CPU's (AVX512-VNNI's tiles where it has them) against AVX2's tiles and the plain loops."""
-    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
+    path = native_build.build(tmp_path, os.environ.get("CC", "cc"), (*native_build.FLAGS, *without))
     plain = native.NativeOps(ctypes.CDLL(str(path)))
     flags = cpu_flags()
     avx2 = {"avx2", "fma"} <= flags

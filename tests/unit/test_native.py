@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native
+from engine import native, native_build
 from engine.kv_codec import KVCodec
 from engine.linear import RowQuantWeight, cpu_flags
 from engine.model import LlamaModel
@@ -173,7 +173,7 @@ def test_without_avx512_or_vnni_the_older_kernels_give_the_same_results(
     to rounding, over fp32, bf16 and int8 caches (with AVX2 alone the int8 ones summed in integers)."""
     if not HAS_CC:
         pytest.skip("no C compiler")
-    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, *without))
+    path = native_build.build(tmp_path, os.environ.get("CC", "cc"), (*native_build.FLAGS, *without))
     plain = native.NativeOps(ctypes.CDLL(str(path)))
     gen = torch.Generator().manual_seed(4)
     qweight = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=gen)
@@ -210,9 +210,9 @@ def test_the_build_is_cached(tmp_path: Path) -> None:
     if not HAS_CC:
         pytest.skip("no C compiler")
     cc = os.environ.get("CC", "cc")
-    first = native.build(tmp_path, cc)
+    first = native_build.build(tmp_path, cc)
     stamp = first.stat().st_mtime_ns
-    assert native.build(tmp_path, cc) == first and first.stat().st_mtime_ns == stamp
+    assert native_build.build(tmp_path, cc) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 

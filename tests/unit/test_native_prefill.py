@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import native
+from engine import native, native_build
 from engine.attention import AttentionMetadata, PrefillAttention, PrefillChunk, paged_attention
 from engine.linear import cpu_flags
 from engine.model import LlamaModel
@@ -166,7 +166,7 @@ def test_an_int8_model_takes_a_c_kernel_where_the_cpu_runs_one_fast(ops: native.
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="this CPU has no AVX2 and FMA")
 def test_without_avx512_the_avx2_kernel_computes_exact_attention_in_fp32(tmp_path: Path) -> None:
     """The engine's kernel on CPUs with AVX2 but no AVX-512, built so on any CPU that runs it."""
-    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f"))
+    path = native_build.build(tmp_path, os.environ.get("CC", "cc"), (*native_build.FLAGS, "-mno-avx512f"))
     avx2 = native.NativeOps(ctypes.CDLL(str(path)))
     assert avx2.prefill_attention_fast and not avx2.prefill_attention_bf16
     # past the shapes above: tiles of 8 sub-tiles, 16 q heads over 2 (scratch caps the tile),
@@ -187,7 +187,7 @@ def test_without_avx512_the_avx2_kernel_computes_exact_attention_in_fp32(tmp_pat
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler")
 def test_without_avx512_or_avx2_the_plain_loops_compute_the_same_roundings(tmp_path: Path) -> None:
-    path = native.build(tmp_path, os.environ.get("CC", "cc"), (*native.FLAGS, "-mno-avx512f", "-mno-avx2"))
+    path = native_build.build(tmp_path, os.environ.get("CC", "cc"), (*native_build.FLAGS, "-mno-avx512f", "-mno-avx2"))
     plain = native.NativeOps(ctypes.CDLL(str(path)))
     assert not plain.prefill_attention_fast and plain.prefill_attention_bf16
     for n, length, heads, kv_heads, d in SHAPES:
