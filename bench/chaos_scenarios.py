@@ -49,26 +49,42 @@ def decode_kill(c: Chaos, n: int = 32) -> ScenarioResult:
 
 
 def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
-    """1P+1D, n streams; SIGKILL the one decode worker once half are going: with no other decode
-    worker, they finish whole on the prefill worker (RoutingPolicy.cross_pool), and a request
-    sent right after is served there too while the pool manager replaces the dead worker."""
+    """1P+1D, n streams; SIGKILL the one decode worker once half are going, while a long prompt's
+    prefill streams its KV to it: with no other decode worker, the streams finish whole on the
+    prefill worker (RoutingPolicy.cross_pool), the long prompt is retried there (its prefill
+    lost its peer: the failure names the dead worker, cluster.handoff.blamed), and a request sent
+    right after is served there too while the pool manager replaces the dead worker."""
     c.pools(prefill=1, decode=1)
     prompts = c.prompts(n, "only-decode-kill")
+    long_prompt = c.prompts(1, "only-decode-kill-long", words=300)[0]
     base = run_streams(c.client, prompts)
     probe: list[Stream] = []
+    mid_push = Stream(long_prompt)
     t_fault = 0.0
 
     def fault(streams: list[Stream]) -> None:
         nonlocal t_fault
         until(lambda: sum(len(s.token_times) >= 4 for s in streams) >= n // 2, 120, "streams under way")
+        pushing = threading.Thread(target=c.client.stream, args=(long_prompt, mid_push), daemon=True)
+        pushing.start()
+        prefill = c.workers("prefill")[0]
+        until(lambda: c.cluster.ledger.load(prefill).prefill_tokens >= 256, 60, "the long prompt's prefill")
+        time.sleep(0.1)  # into the prompt, with layers on the wire
         c.signal(c.workers("decode")[0], signal.SIGKILL)
         t_fault = time.monotonic()
         probe.append(c.client.stream("A new request while the decode pool is empty: say hello."))
+        pushing.join()
 
     run = c.streamed_with(prompts, fault)
     affected = [s for s in run if int(s.timing.get("migrations", 0)) > 0]
-    facts = {**same_answers(base, run, c.client.max_tokens), "new_request_ok": probe[0].completed}
+    facts = {
+        **same_answers(base, run, c.client.max_tokens),
+        "new_request_ok": probe[0].completed,
+        "mid_push_attempts": int(mid_push.timing.get("attempts", 0)),
+    }
     recovery = c.whole_again(t_fault, prefill=1, decode=1)
+    again = c.client.stream(long_prompt)  # its reference, undisturbed (run first, it would be cached)
+    facts["mid_push_same_text"] = mid_push.completed and again.completed and mid_push.text == again.text
     return outcome("only decode SIGKILL (1P+1D)", base, run, affected, recovery_s=recovery,
                    held_blocks=c.held_after_idle(), facts=facts)  # fmt: skip
 

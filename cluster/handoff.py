@@ -46,6 +46,7 @@ from cluster.routing import Route
 from engine.errors import InvalidRequestError
 from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
+from kv_transfer.errors import PeerUnavailable, TransferTimeout
 from prefill_workers.worker import PrefillResult
 
 
@@ -127,7 +128,7 @@ class Attempt:
             self.stage = Stage.RESERVED
             try:
                 ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)
-                result: PrefillResult = self._await(ref, live)
+                result: PrefillResult = self._await(ref, live, peer=route.decode)
             except AttemptFailed as e:
                 if e.suspect is None and ray.wait([reservation], timeout=0)[0]:
                     self._get(reservation, route.decode)  # blame the decode side when its reservation failed
@@ -188,14 +189,15 @@ class Attempt:
         finally:
             self.seam.feeds.close(worker, self.request_id)
 
-    def _await(self, ref: Any, live: Liveness, suspect: str | None = None) -> Any:
-        """The value of `ref`, while every worker in `live` stays alive."""
+    def _await(self, ref: Any, live: Liveness, peer: str | None = None) -> Any:
+        """The value of `ref`, while every worker in `live` stays alive; `peer`: the receiver of
+        the call's KV transfer, blamed when that transfer lost it (`blamed`)."""
         while True:
             if self.cancel.is_set():
                 raise Cancelled(f"request {self.request_id!r} was cancelled")
             ready, _ = ray.wait([ref], timeout=self.waits.poll_s)
             if ready:
-                return self._get(ref, suspect)
+                return self._get(ref, None, peer)
             live.check()
 
     def _follow(self, feed: queue.SimpleQueue[Entry], started: Any, worker: str) -> Iterator[TokenOutput]:
@@ -223,7 +225,7 @@ class Attempt:
                 self.stage = Stage.DONE
                 return
 
-    def _get(self, ref: Any, suspect: str | None) -> Any:
+    def _get(self, ref: Any, suspect: str | None, peer: str | None = None) -> Any:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
@@ -232,7 +234,7 @@ class Attempt:
             cause = e.as_instanceof_cause()  # type: ignore[no-untyped-call]
             if isinstance(cause, InvalidRequestError):
                 raise cause from None
-            raise AttemptFailed(f"{type(cause).__name__}: {cause}", suspect) from None
+            raise AttemptFailed(f"{type(cause).__name__}: {cause}", blamed(cause, suspect, peer)) from None
 
     def close(self) -> None:
         """Free what this attempt still holds on its workers; forget it in the ledger.
@@ -255,3 +257,14 @@ class Attempt:
                     self.decode.abort.remote(rid)
         finally:
             self.ledger.end(rid)
+
+
+def blamed(cause: BaseException, worker: str | None, peer: str | None) -> str | None:
+    """The worker a call's error names: the receiver of its KV transfer (`peer`) when the
+    transfer lost it there (the receiver went away or stalled past its deadline: the decode
+    worker killed or frozen mid-push), else `worker`. A refused chunk names neither side: they
+    disagreed. The router's retry avoids the worker named, so a prefill worker that saw its
+    decode peer die is not passed over for the dead one."""
+    if peer is not None and isinstance(cause, (PeerUnavailable, TransferTimeout)):
+        return peer
+    return worker

@@ -53,6 +53,7 @@ def test_the_only_decode_worker_killed_mid_stream(chaos: Chaos) -> None:
     clean(r)
     assert r.facts["same_text"] == r.facts["usage_exact"] == 8 and r.facts["migrated"] > 0, r.facts
     assert r.facts["new_request_ok"], r.facts
+    assert r.facts["mid_push_same_text"], r.facts  # its prefill lost the peer; retried whole on the prefill worker
 
 
 def test_prefill_worker_killed_mid_transfer(chaos: Chaos) -> None:

@@ -1,4 +1,5 @@
-"""Which route a retry takes (router/retry.py): pure, over a route function given as a table."""
+"""Which route a retry takes (router/retry.py), and which worker a failure names for it
+(cluster.handoff.blamed): pure, over a route function given as a table."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from cluster.cluster import NoWorkerError
+from cluster.handoff import blamed
 from cluster.routing import Route
+from kv_transfer.errors import ChunkRejected, PeerUnavailable, TransferAborted, TransferTimeout
 from router.retry import retry_exclusions, retry_route
 
 
@@ -42,3 +45,19 @@ def test_a_retry_takes_an_untried_pair_then_one_pool_whole_then_a_suspect() -> N
     # what was tried is never taken again, and nothing left raises
     with pytest.raises(NoWorkerError):
         retry_route(by_exclusion({frozenset({"p1"}): Route("d1", "p1")}), failed, frozenset())
+
+
+def test_a_prefill_that_lost_its_decode_peer_names_the_peer_and_the_retry_avoids_it() -> None:
+    # the one decode worker d1 was killed while p1 pushed a prompt's KV to it: p1's call fails
+    # with the transfer's error, which names d1, so the retry runs the request whole on p1
+    for lost in (PeerUnavailable("Stream removed"), TransferTimeout("stalled")):
+        assert blamed(lost, None, peer="d1") == "d1"
+    assert blamed(TransferAborted("cancelled"), None, peer="d1") is None  # the prefill side stopped it
+    assert blamed(ChunkRejected("bad_dtype", "bf16"), None, peer="d1") is None  # the two sides disagreed
+    assert blamed(RuntimeError("engine"), "p1", peer="d1") == "p1"
+    assert blamed(PeerUnavailable("x"), "p1", peer=None) == "p1"
+    failed = [Route("d1", "p1")]
+    table = {frozenset({"p1"}): Route("d1", local=True, fallback=True), frozenset({"d1"}): Route("p1", fallback=True)}
+    assert retry_route(
+        by_exclusion(table), failed, frozenset({blamed(PeerUnavailable("x"), None, "d1") or ""})
+    ) == Route("p1", fallback=True)
