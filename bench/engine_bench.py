@@ -29,11 +29,28 @@ PASSAGE = (
 )
 
 
-def make_prompts(engine: Engine, n: int, length: int) -> list[list[int]]:
-    """n distinct prompts of exactly `length` tokens."""
-    assert engine.tokenizer is not None
+def make_prompts(engine: Engine, n: int, length: int, first: int = 0) -> list[list[int]]:
+    """n distinct prompts of exactly `length` tokens: prompt i opens with token 100 + first + i
+    (first + n <= 1000), so prompts of different numbers share no prefix-cache block, whatever
+    their lengths. Rows measured one after another take disjoint numbers (Prompts), or a row's
+    prompts would find the last row's, their prefixes, cached: a 4K prompt is the first half of
+    the 8K prompt of the same number."""
+    assert engine.tokenizer is not None and first >= 0 and first + n <= 1000
     base = engine.tokenizer.encode(PASSAGE * (length // 40 + 2))
-    return [[(7 + i) % 1000 + 100] + base[i : i + length - 1] for i in range(n)]
+    return [[100 + first + i] + base[i : i + length - 1] for i in range(n)]
+
+
+class Prompts:
+    """Hands out make_prompts rows that share no prefix with any row handed out before."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.used = 0
+
+    def take(self, n: int, length: int) -> list[list[int]]:
+        rows = make_prompts(self.engine, n, length, self.used)
+        self.used += n
+        return rows
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -142,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     def run_ours(p: list[list[int]], n: int) -> float:
         return ours(engine, p, n)
 
-    short = make_prompts(engine, 64, 32)
-    long = make_prompts(engine, 4, 512)
+    prompts = Prompts(engine)
+    short = prompts.take(64, 32)
+    long = prompts.take(4, 512)
     ours(engine, short[:4], 4)  # warm-up
     res: dict[str, float | None] = {"load_s": load_s}
     res["decode_tok_s"] = decode_rate(run_ours, short[:1], new)
@@ -154,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     long_rows: list[tuple[str, list[list[int]]]] = []
     if not args.no_long:
         long_rows = [
-            ("prefill_4k_tok_s", make_prompts(engine, 3, 4096)),
-            ("prefill_8k_tok_s", make_prompts(engine, 3, 8000)),
-            ("decode_8k_tok_s", make_prompts(engine, 1, 8000)),
+            ("prefill_4k_tok_s", prompts.take(3, 4096)),
+            ("prefill_8k_tok_s", prompts.take(3, 8000)),
+            ("decode_8k_tok_s", prompts.take(1, 8000)),
         ]
         res["prefill_4k_tok_s"] = prefill_rate(run_ours, long_rows[0][1])
         res["prefill_8k_tok_s"] = prefill_rate(run_ours, long_rows[1][1])
