@@ -46,7 +46,7 @@ from cluster.routing import Route
 from engine.errors import InvalidRequestError
 from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
-from kv_transfer.errors import PeerUnavailable, TransferTimeout
+from kv_transfer.errors import ChunkRejected, PeerUnavailable, TransferTimeout
 from prefill_workers.worker import PrefillResult
 
 
@@ -128,9 +128,9 @@ class Attempt:
             self.stage = Stage.RESERVED
             try:
                 ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)
-                result: PrefillResult = self._await(ref, live, peer=route.decode)
-            except AttemptFailed as e:
-                if e.suspect is None and ray.wait([reservation], timeout=0)[0]:
+                result: PrefillResult = self._await(ref, live, str(route.prefill), peer=route.decode)
+            except AttemptFailed:
+                if ray.wait([reservation], timeout=0)[0]:
                     self._get(reservation, route.decode)  # blame the decode side when its reservation failed
                 raise
             self.stage = Stage.PREFILLED
@@ -189,15 +189,16 @@ class Attempt:
         finally:
             self.seam.feeds.close(worker, self.request_id)
 
-    def _await(self, ref: Any, live: Liveness, peer: str | None = None) -> Any:
-        """The value of `ref`, while every worker in `live` stays alive; `peer`: the receiver of
-        the call's KV transfer, blamed when that transfer lost it (`blamed`)."""
+    def _await(self, ref: Any, live: Liveness, suspect: str | None = None, peer: str | None = None) -> Any:
+        """The value of `ref`, while every worker in `live` stays alive; `suspect`: the worker the
+        call ran on, blamed when it fails; `peer`: the receiver of the call's KV transfer, blamed
+        instead when that transfer lost it (`blamed`)."""
         while True:
             if self.cancel.is_set():
                 raise Cancelled(f"request {self.request_id!r} was cancelled")
             ready, _ = ray.wait([ref], timeout=self.waits.poll_s)
             if ready:
-                return self._get(ref, None, peer)
+                return self._get(ref, suspect, peer)
             live.check()
 
     def _follow(self, feed: queue.SimpleQueue[Entry], started: Any, worker: str) -> Iterator[TokenOutput]:
@@ -262,9 +263,13 @@ class Attempt:
 def blamed(cause: BaseException, worker: str | None, peer: str | None) -> str | None:
     """The worker a call's error names: the receiver of its KV transfer (`peer`) when the
     transfer lost it there (the receiver went away or stalled past its deadline: the decode
-    worker killed or frozen mid-push), else `worker`. A refused chunk names neither side: they
-    disagreed. The router's retry avoids the worker named, so a prefill worker that saw its
+    worker killed or frozen mid-push, or one that no longer knows the request's reservation),
+    else `worker`. The router's retry avoids the worker named, so a prefill worker that saw its
     decode peer die is not passed over for the dead one."""
-    if peer is not None and isinstance(cause, (PeerUnavailable, TransferTimeout)):
-        return peer
-    return worker
+    lost = isinstance(cause, (PeerUnavailable, TransferTimeout)) or (
+        isinstance(cause, ChunkRejected) and cause.code in UNKNOWN_RESERVATION
+    )
+    return peer if peer is not None and lost else worker
+
+
+UNKNOWN_RESERVATION = ("unknown_request", "not_found")  # the receiver's code, its gRPC status's name

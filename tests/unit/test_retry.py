@@ -53,7 +53,8 @@ def test_a_prefill_that_lost_its_decode_peer_names_the_peer_and_the_retry_avoids
     for lost in (PeerUnavailable("Stream removed"), TransferTimeout("stalled")):
         assert blamed(lost, None, peer="d1") == "d1"
     assert blamed(TransferAborted("cancelled"), None, peer="d1") is None  # the prefill side stopped it
-    assert blamed(ChunkRejected("bad_dtype", "bf16"), None, peer="d1") is None  # the two sides disagreed
+    assert blamed(ChunkRejected("not_found", "no reservation"), "p1", peer="d1") == "d1"  # d1 lost it
+    assert blamed(ChunkRejected("bad_dtype", "bf16"), "p1", peer="d1") == "p1"  # a refusal on its merits
     assert blamed(RuntimeError("engine"), "p1", peer="d1") == "p1"
     assert blamed(PeerUnavailable("x"), "p1", peer=None) == "p1"
     failed = [Route("d1", "p1")]
