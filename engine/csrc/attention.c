@@ -78,7 +78,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
 #ifdef __AVX512F__
     if (head_dim % 16 == 0) { /* 16 keys at a time, their sums reduced together */
         int64_t row = kv_row_bytes(kind, head_dim), off[SEGMENT + 16 + L2_AHEAD];
-        float kscale[SEGMENT + 16], qs[heads * head_dim]; /* bf16: q split as bdots16 takes it */
+        float kscale[SEGMENT + 16], qs[heads * head_dim]; /* bf16: q split as bdots_heads takes it */
         for (int64_t j = 0; j < n + 16 + L2_AHEAD; j++) /* bytes; pad: key 0 */
             off[j] = slot[j < n ? j : 0] * kv_heads * row;
         if (kind == KV_BF16 && head_dim % 32 == 0)
@@ -86,6 +86,8 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                 for (int d = 0; d < 16; d++) qs[i + d] = q[i + 2 * d], qs[i + 16 + d] = q[i + 2 * d + 1];
         for (int64_t g = 0; g < kv_heads; g++) {
             const char *kg = (const char *)k_cache + g * row, *vg = (const char *)v_cache + g * row;
+            for (int64_t j = 0; j < n && j < L2_AHEAD; j++) /* the scores prefetch from L2_AHEAD keys on */
+                prefetch_bytes(kg + off[j], row, 1);
             for (int64_t j = 0; j < n + 16; j++) {
                 kscale[j] = scale;
                 if (kind == KV_INT8) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
@@ -102,6 +104,16 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                 continue;
             }
 #endif
+            if (kind == KV_BF16 && head_dim % 32 == 0) {
+                for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+#define BS(NH)                                                                                                  \
+    bf16_scores(qs + h * head_dim, NH, kg, vg, h == g * group, off, row, n, head_dim, scale, scores + h * SEGMENT, \
+                SEGMENT)
+                    BY_HEADS((g + 1) * group - h, BS);
+#undef BS
+                }
+                continue;
+            }
             for (int64_t h = g * group; h < (g + 1) * group; h++)
                 for (int64_t j = 0; j < n; j += 16) {
                     for (int i = 0; h == g * group && i < 16; i++) {
@@ -110,8 +122,7 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
                     }
                     __m512 d = kind == KV_INT8   ? dots16(q + h * head_dim, kg, off + j, KV_INT8, head_dim)
                                : kind != KV_BF16 ? dots16(q + h * head_dim, kg, off + j, KV_FP32, head_dim)
-                               : head_dim % 32   ? dots16(q + h * head_dim, kg, off + j, KV_BF16, head_dim)
-                                                 : bdots16(qs + h * head_dim, kg, off + j, head_dim);
+                                                 : dots16(q + h * head_dim, kg, off + j, KV_BF16, head_dim);
                     float tmp[16];
                     _mm512_storeu_ps(tmp, _mm512_mul_ps(d, _mm512_loadu_ps(kscale + j)));
                     memcpy(scores + h * SEGMENT + j, tmp, (n - j < 16 ? n - j : 16) * sizeof(float));

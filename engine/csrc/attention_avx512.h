@@ -76,22 +76,51 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
-/* q . k_j for 16 bf16 keys (as for dots16), the query split: each 32 dims as their 16 even, then
- * their 16 odd; head_dim a multiple of 32. */
-static inline __attribute__((always_inline)) __m512 bdots16(const float *qs, const char *k, const int64_t *off,
-                                                            int64_t head_dim) {
+/* Lane t * nk + j: query head t (rows head_dim apart; each 32 dims as their 16 even, then their
+ * 16 odd) . bf16 key j (at k + off[j]), for nh (1-4) heads and nk = 16 / nh keys: each key is
+ * loaded and split once for all the heads of its GQA group (it was once a head: 30 layers of
+ * 8,000 keys from memory, a Zen 4 EPYC, see attention.c). head_dim a multiple of 32. */
+static inline __attribute__((always_inline)) __m512 bdots_heads(const float *qs, const char *k, const int64_t *off,
+                                                                int nh, int64_t head_dim) {
+    const int nk = 16 / nh;
     __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 32) {
-        __m512 qe = _mm512_loadu_ps(qs + d), qo = _mm512_loadu_ps(qs + d + 16);
-        for (int j = 0; j < 16; j++) {
+        __m512 qe[4], qo[4];
+        for (int t = 0; t < nh; t++)
+            qe[t] = _mm512_loadu_ps(qs + t * head_dim + d), qo[t] = _mm512_loadu_ps(qs + t * head_dim + d + 16);
+        for (int j = 0; j < nk; j++) {
             __m512 e, o;
             load_bf16_pairs16(k + off[j] + 2 * d, &e, &o);
-            acc[j] = _mm512_fmadd_ps(qe, e, acc[j]);
-            acc[j] = _mm512_fmadd_ps(qo, o, acc[j]);
+            for (int t = 0; t < nh; t++) {
+                acc[t * nk + j] = _mm512_fmadd_ps(qe[t], e, acc[t * nk + j]);
+                acc[t * nk + j] = _mm512_fmadd_ps(qo[t], o, acc[t * nk + j]);
+            }
         }
     }
     return sum16(acc);
+}
+
+/* scores[t][j] (rows `stride` apart) of nh (1-4) query heads qs (split as bdots_heads takes them) over
+ * n bf16 keys of one kv head (key j at k + off[j], off readable to n + 16 + L2_AHEAD), times
+ * `scale`. With `prefetch`, the rows L2_AHEAD keys on and the value rows (v + off[j]) of the keys
+ * scored into L2, as attention.c's other scores do. head_dim a multiple of 32. */
+static inline __attribute__((always_inline)) void bf16_scores(const float *qs, int nh, const char *k, const char *v,
+                                                              int prefetch, const int64_t *off, int64_t row, int64_t n,
+                                                              int64_t head_dim, float scale, float *scores,
+                                                              int64_t stride) {
+    const int nk = 16 / nh;
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < n; j += nk) {
+        for (int i = 0; prefetch && i < nk; i++) {
+            prefetch_bytes(k + off[j + L2_AHEAD + i], row, 1);
+            prefetch_bytes(v + off[j + i], row, 1);
+        }
+        __m512 s = _mm512_mul_ps(bdots_heads(qs, k, off + j, nh, head_dim), sv);
+        unsigned m = (1u << (n - j < nk ? n - j : nk)) - 1;
+        for (int t = 0; t < nh; t++) /* head t's lanes, t * nk on, to its row from column j */
+            _mm512_mask_storeu_ps(scores + t * stride + j - t * nk, (__mmask16)(m << (t * nk)), s);
+    }
 }
 
 /* q . k_j for 16 keys of one kv head of a cache of `kind` (key j at k + off[j] bytes; int8 codes
