@@ -83,7 +83,7 @@ def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
         "mid_push_attempts": int(mid_push.timing.get("attempts", 0)),
     }
     recovery = c.whole_again(t_fault, prefill=1, decode=1)
-    again = c.client.stream(long_prompt)  # its reference, undisturbed (run first, it would be cached)
+    again = c.client.stream(long_prompt)  # its reference; run before the fault, it would have left the prompt cached
     facts["mid_push_same_text"] = mid_push.completed and again.completed and mid_push.text == again.text
     return outcome("only decode SIGKILL (1P+1D)", base, run, affected, recovery_s=recovery,
                    held_blocks=c.held_after_idle(), facts=facts)  # fmt: skip
