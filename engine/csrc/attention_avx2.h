@@ -69,6 +69,8 @@ static void avx2_scores(const float *q, const void *k_cache, int kind, const int
             if (kind == KV_INT8) memcpy(&ks, kg + off[j] + head_dim, 4);
             kscale[j] = ks * scale;
         }
+        for (int64_t i = 0; i < PF && i < n; i++) /* the first PF keys: the loop's prefetch starts PF on */
+            for (int64_t b = 0; b < row; b += 64) _mm_prefetch(kg + off[i] + b, _MM_HINT_T0);
         for (int64_t j = 0; j < n; j += 8) { /* 8 keys (2 KB at D 64) stay in L1 for every head of the group */
             for (int64_t i = j + PF; i < j + PF + 8 && i < n; i++) /* the 8 keys PF ahead */
                 for (int64_t b = 0; b < row; b += 64) _mm_prefetch(kg + off[i] + b, _MM_HINT_T0);

@@ -50,6 +50,8 @@ static void avx2_bf16_scores(const float *q, const char *k_cache, const int64_t 
             }
     for (int64_t j = 0; j < n + 4; j++) off[j] = slot[j < n ? j : 0] * record; /* pad: key 0 */
     const __m128 s = _mm_set1_ps(scale);
+    for (int64_t i = 0; i < PF && i < n; i++) /* the first PF records: the loop's prefetch starts PF on */
+        prefetch_bytes(k_cache + off[i], record, 0);
     for (int64_t j = 0; j < n; j += 4) {
         for (int64_t i = j + PF; i < j + PF + 4 && i < n; i++)
             prefetch_bytes(k_cache + off[i], record, 0);

@@ -82,6 +82,10 @@ static void avx2_int8_scores(const float *q, const int8_t *k_cache, const int8_t
     float qs[heads];
     for (int64_t h = 0; h < heads; h++) qs[h] = quantize16(q + h * head_dim, head_dim, qi + h * head_dim);
     for (int64_t j = 0; j < n + 4; j++) off[j] = slot[j < n ? j : 0] * record; /* pad: key 0 */
+    for (int64_t i = 0; i < PF && i < n; i++) { /* the first PF records: the loop's prefetch starts PF on */
+        prefetch_bytes(k_cache + off[i], record, 0);
+        prefetch_bytes(v_cache + off[i], record, 1);
+    }
     for (int64_t j = 0; j < n; j += 4) {
         for (int64_t i = j + PF; i < j + PF + 4 && i < n; i++) {
             prefetch_bytes(k_cache + off[i], record, 0);
