@@ -88,15 +88,11 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
             const char *kg = (const char *)k_cache + g * row, *vg = (const char *)v_cache + g * row;
             for (int64_t j = 0; j < n && j < L2_AHEAD; j++) /* the scores prefetch from L2_AHEAD keys on */
                 prefetch_bytes(kg + off[j], row, 1);
-            for (int64_t j = 0; j < n + 16; j++) {
-                kscale[j] = scale;
-                if (kind == KV_INT8) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
-            }
 #ifdef INT8_ATTENTION
-            if (int8_path) {
+            if (int8_path) { /* reads the keys' scales after their scores */
                 for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
 #define IS(NH)                                                                                                  \
-    int8_scores(q + h * head_dim, NH, (const int8_t *)kg, (const int8_t *)vg, h == g * group, off, kscale, n, head_dim,\
+    int8_scores(q + h * head_dim, NH, (const int8_t *)kg, (const int8_t *)vg, h == g * group, off, scale, n, head_dim, \
                 scores + h * SEGMENT, SEGMENT)
                     BY_HEADS((g + 1) * group - h, IS);
 #undef IS
@@ -113,6 +109,10 @@ static void attend_segment(const float *q, const void *k_cache, const void *v_ca
 #undef BS
                 }
                 continue;
+            }
+            for (int64_t j = 0; j < n + 16; j++) {
+                kscale[j] = scale;
+                if (kind == KV_INT8) memcpy(&ks, kg + off[j] + head_dim, 4), kscale[j] = ks * scale;
             }
             for (int64_t h = g * group; h < (g + 1) * group; h++)
                 for (int64_t j = 0; j < n; j += 16) {

@@ -71,12 +71,14 @@ static inline __attribute__((always_inline)) __m512i idots(const int16_t *q, con
 }
 
 /* scores[t][j] (rows `stride` apart) of nh (1-4) query heads q (fp32, rows head_dim apart) over n
- * int8 keys of one kv head (key j at k + off[j], off readable to n + 16 + L2_AHEAD, kscale[j] its
- * scale times the softmax's). head_dim a multiple of 32, at most 4 * 512 / nh. With `prefetch`,
- * the rows L2_AHEAD keys on and the value rows (v + off[j]) of the keys scored into L2, as
- * attention.c's other scores do. */
+ * int8 keys of one kv head (key j at k + off[j], off readable to n + 16 + L2_AHEAD, its scale after
+ * its codes), times the softmax's `scale`. head_dim a multiple of 32, at most 4 * 512 / nh. With
+ * `prefetch`, the rows L2_AHEAD keys on and the value rows (v + off[j]) of the keys scored into L2,
+ * as attention.c's other scores do. The keys' scales are read after the scores, from the lines
+ * those brought: read in a pass of their own before them, the scales had been each row's first
+ * touch, gathers that waited on memory (a quarter of the call at 8,000 keys from memory). */
 static inline __attribute__((always_inline)) void int8_scores(const float *q, int nh, const int8_t *k, const int8_t *v,
-                                                              int prefetch, const int64_t *off, const float *kscale,
+                                                              int prefetch, const int64_t *off, float scale,
                                                               int64_t n, int64_t head_dim, float *scores,
                                                               int64_t stride) {
     const int nk = 16 / nh;
@@ -92,12 +94,18 @@ static inline __attribute__((always_inline)) void int8_scores(const float *q, in
             prefetch_bytes(k + off[j + L2_AHEAD + i], head_dim + 4, 1);
             prefetch_bytes(v + off[j + i], head_dim + 4, 1);
         }
-        __m512 s = _mm512_cvtepi32_ps(idots(qi, k, off + j, nh, head_dim));
-        s = _mm512_mul_ps(_mm512_mul_ps(s, qscale), _mm512_permutexvar_ps(key_lane, _mm512_loadu_ps(kscale + j)));
+        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(idots(qi, k, off + j, nh, head_dim)), qscale);
         unsigned m = (1u << (n - j < nk ? n - j : nk)) - 1;
         for (int t = 0; t < nh; t++) /* head t's lanes, t * nk on, to its row from column j */
             _mm512_mask_storeu_ps(scores + t * stride + j - t * nk, (__mmask16)(m << (t * nk)), s);
     }
+    float kscale[SEGMENT];
+    for (int64_t j = 0; j < n; j++) {
+        memcpy(kscale + j, k + off[j] + head_dim, 4);
+        kscale[j] *= scale; /* as the other kinds' kscale[j] */
+    }
+    for (int t = 0; t < nh; t++)
+        for (int64_t j = 0; j < n; j++) scores[t * stride + j] *= kscale[j];
 }
 
 /* o[t] = sum_j w[t][j] v_j over 64 dims, for nh (1-4) heads sharing one kv head: int8 value codes
