@@ -84,10 +84,9 @@ static inline __attribute__((always_inline)) void int8_scores(const float *q, in
     const int nk = 16 / nh;
     int16_t qi[4 * 512];
     float qs[16] = {0};
-    int32_t key_of[16], head_of[16];
+    int32_t head_of[16];
     for (int t = 0; t < nh; t++) qs[t] = quantize16(q + t * head_dim, head_dim, qi + t * head_dim);
-    for (int i = 0; i < 16; i++) key_of[i] = i % nk, head_of[i] = i / nk < nh ? i / nk : 0;
-    const __m512i key_lane = _mm512_loadu_si512(key_of);
+    for (int i = 0; i < 16; i++) head_of[i] = i / nk < nh ? i / nk : 0;
     const __m512 qscale = _mm512_permutexvar_ps(_mm512_loadu_si512(head_of), _mm512_loadu_ps(qs));
     for (int64_t j = 0; j < n; j += nk) {
         for (int i = 0; prefetch && i < nk; i++) {
