@@ -240,7 +240,7 @@ class NativeOps:
 
     def prefill_attention_i8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`prefill_attention` with int8 dot products: q, k (less the mean of its first 16 keys)
-        and v rounded to int8 per row, each block of 32 keys' softmax weights times their value's
+        and v rounded to int8 per row, each block of 64 keys' softmax weights times their value's
         scale to 255ths of the block's largest (engine/csrc/prefill_attention_i8.c): a row's bits
         depend only on the keys it sees. Raises as `prefill_attention` does, and RuntimeError
         where the kernel is not built (`prefill_attention_i8_fast`)."""

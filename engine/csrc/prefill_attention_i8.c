@@ -13,14 +13,17 @@
  *   q: one scale a query row and head, max |q| / 127; stored + 128 (vpdpbusd multiplies an
  *      unsigned byte by a signed one), the + 128 taken back with 128 * sum(k) a key.
  *   v: one scale a key and kv head, max |v| / 127, as the int8 KV cache's.
- *   p: in a block of 32 keys, each weight times its value's scale, rounded to 255ths of the
+ *   p: in a block of 64 keys, each weight times its value's scale, rounded to 255ths of the
  *      block's largest such product: a block of small weights is stepped as finely as the
  *      block holding the max. The sum the output is divided by is of the unrounded weights.
+ *      (Blocks of 32 had the same error against exact attention, 0.0018 on average, and took
+ *      1.26-1.30x as long at 2K-8K keys: the softmax's costs a block, its maxima across rows,
+ *      the running max's checks and the sums' updates, are spread over twice the keys.)
  * Scores, the softmax and the sums stay fp32. The layouts are built per call (O(L * D), against
  * the O(n * L * D) of the attention):
  *   kq [kv_heads][L / 16][D / 4][16]: 16 keys' 4 consecutive int8 dims a 32-bit lane
  *   vq [kv_heads][L / 4][D]: 4 consecutive keys' int8 values of one dim a lane
- * A work item is R query rows of one q head, in blocks of 32 keys, with prefill_attention.c's
+ * A work item is R query rows of one q head, in blocks of 64 keys, with prefill_attention.c's
  * running max (moved only by more than HEADROOM) and exp2 in log2 units.
  */
 #include "common.h"
@@ -29,7 +32,8 @@
 #define HAVE_VNNI 1
 #endif
 
-#define KEYS 32 /* keys a block */
+#define KEYS 64 /* keys a block */
+#define NV (KEYS / 16) /* vectors of 16 keys a block */
 #define MEAN_KEYS 16 /* keys the mean key is taken over */
 #define HEADROOM 8.0f
 #define LOG2E 1.44269504088896341f
@@ -69,60 +73,71 @@ static inline __m512 max_of_rows(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
 }
 
+/* Bytes 0..255 in the low byte of each int32 lane of a, b, c, d (keys 0-15, 16-31, 32-47,
+ * 48-63) -> one vector of the 64 bytes in key order. packus interleaves the four by 128-bit lane
+ * (lane L holds quads L, 4 + L, 8 + L, 12 + L); the vpermd puts quad t back at t. */
+static inline __m512i bytes_of(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    __m512i packed = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+    return _mm512_permutexvar_epi32(order, packed);
+}
+
 /* R query rows (quads in qq, scales in qs, each row's last visible key in lim) against keys
- * 0 .. lim[R - 1]; DV = D / 16. Writes the `rows` real rows of out (row stride out_stride). */
+ * 0 .. lim[R - 1]; DV = D / 16. Writes the `rows` real rows of out (row stride out_stride). The
+ * running sums and outputs live in memory, touched once a block: kept in 20 registers across
+ * the loop, they left the products too few, and gcc shuffled and spilled the accumulators. */
 static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *const *qq, const float *qs,
                                                                  const int64_t *lim, int rows, const uint32_t *kq,
                                                                  const int32_t *kcorr, const float *ks,
                                                                  const uint32_t *vq, const float *vs, int R, int DV,
                                                                  float *out, int64_t out_stride) {
     const int64_t quads = DV * 4;
-    __m512 acc[4][8], l[4];
+    float acc[4][128] __attribute__((aligned(64))), l[4][16] __attribute__((aligned(64)));
+    uint32_t pw[4][KEYS / 4] __attribute__((aligned(64)));
     float m[4], rise[16] = {0}, big[16] = {0}, grow[16], pscale[16], up[16];
-    __m512 psum[4], w[4][2];
-    uint32_t pw[4][KEYS / 4];
+    __m512 psum[4], w[4][NV];
     for (int r = 0; r < 4; r++) {
         m[r] = -INFINITY;
-        l[r] = _mm512_setzero_ps();
-        for (int c = 0; c < DV; c++) acc[r][c] = _mm512_setzero_ps();
+        _mm512_store_ps(l[r], _mm512_setzero_ps());
+        for (int c = 0; c < DV; c++) _mm512_store_ps(acc[r] + c * 16, _mm512_setzero_ps());
     }
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t kb = 0; kb <= lim[R - 1]; kb += KEYS) {
-        __m512i si[4][2];
-        for (int r = 0; r < R; r++) si[r][0] = si[r][1] = _mm512_setzero_si512();
-        const uint32_t *k0 = kq + (kb / 16) * quads * 16, *k1 = k0 + quads * 16;
+        __m512i si[4][NV];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NV; j++) si[r][j] = _mm512_setzero_si512();
+        const uint32_t *k0 = kq + (kb / 16) * quads * 16;
         for (int64_t p = 0; p < quads; p++) {
-            __m512i a = _mm512_loadu_si512(k0 + p * 16), b = _mm512_loadu_si512(k1 + p * 16);
+            __m512i a[NV];
+            for (int j = 0; j < NV; j++) a[j] = _mm512_loadu_si512(k0 + (j * quads + p) * 16);
             for (int r = 0; r < R; r++) {
                 __m512i qb = _mm512_set1_epi32((int)qq[r][p]);
-                si[r][0] = dpbusd(si[r][0], qb, a);
-                si[r][1] = dpbusd(si[r][1], qb, b);
+                for (int j = 0; j < NV; j++) si[r][j] = dpbusd(si[r][j], qb, a[j]);
             }
         }
-        const __m512i c0 = _mm512_loadu_si512(kcorr + kb), c1 = _mm512_loadu_si512(kcorr + kb + 16);
-        const __m512 ks0 = _mm512_loadu_ps(ks + kb), ks1 = _mm512_loadu_ps(ks + kb + 16);
-        const __m512 vs0 = _mm512_loadu_ps(vs + kb), vs1 = _mm512_loadu_ps(vs + kb + 16);
         const int whole = kb + KEYS - 1 <= lim[0]; /* every row sees every key of the block */
-        __m512 sc[4][2], mx[4];
-        __mmask16 ok[4][2];
+        __m512 sc[4][NV], mx[4];
+        __mmask16 ok[4][NV];
         for (int r = 0; r < 4; r++) {
             if (r >= R) {
                 mx[r] = ninf;
                 continue;
             }
-            ok[r][0] = ok[r][1] = 0xFFFF;
             __m512 qr = _mm512_set1_ps(qs[r]);
-            sc[r][0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][0], c0)), _mm512_mul_ps(ks0, qr));
-            sc[r][1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(si[r][1], c1)), _mm512_mul_ps(ks1, qr));
-            if (!whole) {
-                __m512i first = _mm512_add_epi32(lane, _mm512_set1_epi32((int)kb)), last = _mm512_set1_epi32((int)lim[r]);
-                ok[r][0] = _mm512_cmple_epi32_mask(first, last);
-                ok[r][1] = _mm512_cmple_epi32_mask(_mm512_add_epi32(first, _mm512_set1_epi32(16)), last);
-                sc[r][0] = _mm512_mask_mov_ps(ninf, ok[r][0], sc[r][0]);
-                sc[r][1] = _mm512_mask_mov_ps(ninf, ok[r][1], sc[r][1]);
+            mx[r] = ninf;
+            for (int j = 0; j < NV; j++) {
+                const int64_t key = kb + 16 * j;
+                __m512i exact = _mm512_sub_epi32(si[r][j], _mm512_loadu_si512(kcorr + key));
+                sc[r][j] = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_loadu_ps(ks + key), qr));
+                ok[r][j] = 0xFFFF;
+                if (!whole) {
+                    __m512i first = _mm512_add_epi32(lane, _mm512_set1_epi32((int)key));
+                    ok[r][j] = _mm512_cmple_epi32_mask(first, _mm512_set1_epi32((int)lim[r]));
+                    sc[r][j] = _mm512_mask_mov_ps(ninf, ok[r][j], sc[r][j]);
+                }
+                mx[r] = _mm512_max_ps(mx[r], sc[r][j]);
             }
-            mx[r] = _mm512_max_ps(sc[r][0], sc[r][1]);
         }
         float tops[16];
         _mm512_storeu_ps(tops, max_of_rows(mx[0], mx[1], mx[2], mx[3]));
@@ -134,23 +149,26 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
             float top = tops[4 * r];
             if (top == -INFINITY) { /* a row that sees none of the block's keys */
                 rise[r] = -INFINITY;
-                psum[r] = w[r][0] = w[r][1] = _mm512_setzero_ps();
+                psum[r] = _mm512_setzero_ps();
+                for (int j = 0; j < NV; j++) w[r][j] = _mm512_setzero_ps();
                 continue;
             }
             if (top > m[r] + HEADROOM) { /* key 0 is in every row's first block: m is finite after it */
                 __m512 al = _mm512_set1_ps(exp_approx((m[r] - top) * 0.69314718f));
                 m[r] = top;
-                l[r] = _mm512_mul_ps(l[r], al);
-                for (int c = 0; c < DV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], al);
+                _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), al));
+                for (int c = 0; c < DV; c++)
+                    _mm512_store_ps(acc[r] + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[r] + c * 16), al));
             }
             rise[r] = top - m[r]; /* the block's weights are 2^rise times these, against the running max */
             __m512 tv = _mm512_set1_ps(top);
-            __m512 p0 = _mm512_maskz_mov_ps(ok[r][0], exp2_coarse(_mm512_sub_ps(sc[r][0], tv)));
-            __m512 p1 = _mm512_maskz_mov_ps(ok[r][1], exp2_coarse(_mm512_sub_ps(sc[r][1], tv)));
-            psum[r] = _mm512_add_ps(p0, p1);
-            w[r][0] = _mm512_mul_ps(p0, vs0);
-            w[r][1] = _mm512_mul_ps(p1, vs1);
-            wm[r] = _mm512_max_ps(w[r][0], w[r][1]);
+            psum[r] = _mm512_setzero_ps();
+            for (int j = 0; j < NV; j++) {
+                __m512 pj = _mm512_maskz_mov_ps(ok[r][j], exp2_coarse(_mm512_sub_ps(sc[r][j], tv)));
+                psum[r] = _mm512_add_ps(psum[r], pj);
+                w[r][j] = _mm512_mul_ps(pj, _mm512_loadu_ps(vs + kb + 16 * j));
+                wm[r] = _mm512_max_ps(wm[r], w[r][j]);
+            }
         }
         float bigs[16];
         _mm512_storeu_ps(bigs, max_of_rows(wm[0], wm[1], wm[2], wm[3]));
@@ -164,12 +182,12 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
         _mm512_storeu_ps(up, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(bigv, _mm512_setzero_ps(), _CMP_GT_OQ),
                                                  _mm512_set1_ps(255.0f), bigv));
         for (int r = 0; r < R; r++) {
-            l[r] = _mm512_fmadd_ps(psum[r], _mm512_set1_ps(grow[r]), l[r]);
+            _mm512_store_ps(l[r], _mm512_fmadd_ps(psum[r], _mm512_set1_ps(grow[r]), _mm512_load_ps(l[r])));
             /* 255 * w / max w <= 255 (+ the cubic's error, far under the half step): 0 .. 255 */
             __m512 u = _mm512_set1_ps(up[r]);
-            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(w[r][0], u)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(w[r][1], u));
-            _mm_storeu_si128((__m128i *)pw[r], _mm512_cvtepi32_epi8(i0));
-            _mm_storeu_si128((__m128i *)(pw[r] + 4), _mm512_cvtepi32_epi8(i1));
+            __m512i code[NV];
+            for (int j = 0; j < NV; j++) code[j] = _mm512_cvtps_epi32(_mm512_mul_ps(w[r][j], u));
+            _mm512_store_si512(pw[r], bytes_of(code[0], code[1], code[2], code[3]));
         }
         __m512i ai[4][8];
         for (int r = 0; r < R; r++)
@@ -185,12 +203,15 @@ static inline __attribute__((always_inline)) void rows_block_i8(const uint32_t *
         }
         for (int r = 0; r < R; r++) {
             __m512 ps = _mm512_set1_ps(pscale[r]);
-            for (int c = 0; c < DV; c++) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), ps, acc[r][c]);
+            for (int c = 0; c < DV; c++)
+                _mm512_store_ps(acc[r] + c * 16,
+                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][c]), ps, _mm512_load_ps(acc[r] + c * 16)));
         }
     }
     for (int r = 0; r < rows; r++) {
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
-        for (int c = 0; c < DV; c++) _mm512_storeu_ps(out + r * out_stride + c * 16, _mm512_mul_ps(acc[r][c], inv));
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));
+        for (int c = 0; c < DV; c++)
+            _mm512_storeu_ps(out + r * out_stride + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[r] + c * 16), inv));
     }
 }
 

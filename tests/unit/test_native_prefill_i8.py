@@ -20,7 +20,6 @@ from router.serve_args import PREFILL_KERNELS, parse
 from tests.unit.test_attention import reference
 from tests.unit.test_native_prefill import (
     HEADROOM,
-    KEYS,
     PAGED_CASES,
     SHAPES,
     inputs,
@@ -30,6 +29,7 @@ from tests.unit.test_native_prefill import (
 from tests.unit.tiny import TINY
 
 MEAN_KEYS = 16  # the keys the kernel's mean key is taken over
+KEYS = 64  # the keys of a block: its weights rounded to 255ths of their largest
 CUBIC = (9.999281e-1, 6.9326097e-1, 2.4261054e-1, 5.517132e-2)  # the kernel's 2^f on [-0.5, 0.5]
 
 
