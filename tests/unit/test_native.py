@@ -49,6 +49,23 @@ def test_silu_mul_over_the_whole_range(ops: native.NativeOps) -> None:
     gu = torch.cat([g.view(2, -1), u.view(2, -1)], dim=1)  # [2, 2n]: gate | up per row
     expected = F.silu(g.view(2, -1)) * u.view(2, -1)
     torch.testing.assert_close(ops.silu_mul(gu), expected, rtol=2e-6, atol=1e-7)
+    assert torch.equal(ops.silu_mul(gu), exp_approx_silu(g.view(2, -1)) * u.view(2, -1))
+
+
+def exp_approx_silu(g: torch.Tensor) -> torch.Tensor:
+    """g / (1 + exp(-g)) with common.h's exp_approx, op for op in fp32: what silu_mul's vector
+    lanes and its scalar tail must both give, to the bit."""
+    f = torch.float32
+    x = (-g).clamp(-87.3, 88.3)
+    n = torch.floor(x * torch.tensor(1.44269504088896341, dtype=f) + 0.5)
+    r = x - n * torch.tensor(0.693359375, dtype=f)
+    r = r - n * torch.tensor(-2.12194440e-4, dtype=f)
+    p = torch.full_like(r, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + torch.tensor(c, dtype=f)
+    p = p * r * r + r + 1.0
+    scale = ((n.to(torch.int32) + 127) << 23).view(f)
+    return g / (1.0 + p * scale)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
