@@ -144,12 +144,38 @@ static inline __attribute__((always_inline)) void tile_avx2(const uint8_t *xq, i
 }
 #endif
 
+#ifdef HAVE_VNNI
+/* One row x one block of 16 channels, k in four interleaved partial sums (integers: the same
+ * dot): a one-row step reads each thread's share of W as one sequential stream, where the 1 x 4
+ * tile read four blocks 16 x k bytes apart at once. Alternated, 1 row: SmolLM2's qkv 10.9 ->
+ * 9.5 us, o 6.5 -> 6.1, gate_up 37.8 -> 37.0, down 16.6 -> 15.9, the LM head the same. */
+static void row_block(const uint8_t *xq, int64_t k, const int8_t *w, const int32_t *sums, const float *wscale,
+                      float xscale, float *y) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    int64_t kk = 0;
+    for (; kk + 16 <= k; kk += 16)
+        for (int u = 0; u < 4; u++)
+            acc[u] = dpbusd(acc[u], _mm512_set1_epi32(*(const int32_t *)(xq + kk + 4 * u)),
+                            _mm512_loadu_si512(w + (kk + 4 * u) * 16));
+    for (; kk < k; kk += 4)
+        acc[0] = dpbusd(acc[0], _mm512_set1_epi32(*(const int32_t *)(xq + kk)), _mm512_loadu_si512(w + kk * 16));
+    __m512i dot = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+    __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_loadu_si512(sums)));
+    d = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(xscale)), _mm512_loadu_ps(wscale));
+    _mm512_storeu_ps(y, d);
+}
+#endif
+
 /* Rows [r, r + rows) x blocks [b, b + nb) of y; nb <= NB, rows <= MR, rows x nb <= 24. */
 static void run_tile(const uint8_t *xq, int64_t k, int rows, const int8_t *w, int nb, const int32_t *sums,
                      const float *wscale, const float *xscale, int64_t n, float *y) {
 #ifdef HAVE_VNNI
+    if (rows == 1) {
+        for (int j = 0; j < nb; j++) row_block(xq, k, w + j * 16 * k, sums + j * 16, wscale + j * 16, xscale[0], y + j * 16);
+        return;
+    }
     switch ((rows - 1) * NB + nb - 1) {
-        TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
+        TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
     }
 #elif defined(HAVE_AVX2)
     (void)sums;
