@@ -26,11 +26,12 @@ def per_row_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 
 # 7 blocks and 6 rows: split unevenly over 2 threads, a tile of 6 x 3 blocks and one of 6 x 4;
 # 13 rows: tiles of 8 x 3 blocks, then 5 rows; 11 blocks and 8 rows: 8 x 3 tiles and an 8 x 2;
-# 6 blocks and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 5 rows.
-@pytest.mark.parametrize(("blocks", "rows"), [(7, 6), (7, 13), (11, 8), (6, 37)])
-def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps, blocks: int, rows: int) -> None:
+# 6 blocks and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 5 rows; each row alone:
+# one block at a time (k = 100: past its 16 inputs a step, 4 at a time).
+@pytest.mark.parametrize(("blocks", "rows", "k"), [(7, 6, 96), (7, 13, 96), (11, 8, 96), (6, 37, 96), (6, 20, 100)])
+def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps, blocks: int, rows: int, k: int) -> None:
     gen = torch.Generator().manual_seed(3)
-    n, k = 16 * blocks, 96
+    n = 16 * blocks
     qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
     w = RowQuantWeight.from_int8(qweight, scale)
