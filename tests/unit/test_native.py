@@ -50,6 +50,8 @@ def test_silu_mul_over_the_whole_range(ops: native.NativeOps) -> None:
     expected = F.silu(g.view(2, -1)) * u.view(2, -1)
     torch.testing.assert_close(ops.silu_mul(gu), expected, rtol=2e-6, atol=1e-7)
     assert torch.equal(ops.silu_mul(gu), exp_approx_silu(g.view(2, -1)) * u.view(2, -1))
+    gate, up = g.view(2, -1)[:, :1001], u.view(2, -1)[:, :1001]  # 62 vectors of 16, then 9 one by one
+    assert torch.equal(ops.silu_mul(torch.cat([gate, up], dim=1)), exp_approx_silu(gate) * up)
 
 
 def exp_approx_silu(g: torch.Tensor) -> torch.Tensor:
