@@ -37,27 +37,6 @@ void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t 
     }
 }
 
-#if defined(__AVX512F__)
-/* exp_approx (common.h) on 16 lanes, op for op: the same bits. */
-static inline __m512 exp_approx_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x); /* c > x ? c : x, as the scalar's clamps */
-    x = _mm512_min_ps(_mm512_set1_ps(88.3f), x);
-    __m512 n = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f));
-    n = _mm512_roundscale_ps(n, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-#endif
-
 /* out[r] = silu(gu[r, :n]) * gu[r, n:], gu [rows, 2n]. With AVX-512, 16 lanes at a time by
  * exp_approx_ps: gcc's own vectorization of the scalar line split exp's clamp into a second
  * division a vector, and the divisions were most of the op's time (0.62 ns an element at 512
