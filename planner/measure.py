@@ -30,7 +30,7 @@ from engine.engine import Engine
 from engine.model_files import default_model_path
 from engine.sampling_params import SamplingParams
 from planner.hardware import measure_cpu
-from planner.profile import DecodePoint, EngineProfile, PrefillPoint, store
+from planner.profile import PEER_SOURCE, DecodePoint, EngineProfile, PrefillPoint, store
 from planner.roofline import attention_dtype, estimate, relative_errors
 
 
@@ -74,12 +74,12 @@ def measure_profile(engine: Engine, grid: Grid, node_class: str, model: str) -> 
     engine.check_integrity()
     cfg = engine.config
     kv = engine.cache.codec.kind
-    return EngineProfile(node_class, "measured", model, cfg.weight_dtype, kv, tuple(prefill), tuple(decode))
+    return EngineProfile(node_class, "measured", model, cfg.weight_dtype, kv, tuple(prefill), tuple(decode),
+                         threads=torch.get_num_threads())  # fmt: skip
 
 
 PEER_BATCH = 8  # the busy peer's streams: a decode batch as a loaded worker runs
 PEER_PROMPT = 128
-PEER_SOURCE = "measured beside a busy peer"
 
 
 def _peer(path: str, config: EngineConfig, ready: Any) -> None:

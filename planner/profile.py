@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+PEER_SOURCE = "measured beside a busy peer"  # `tandem profile --beside-busy-peer`'s source
+
 
 @dataclass(frozen=True)
 class PrefillPoint:
@@ -33,6 +35,7 @@ class EngineProfile:
     prefill: tuple[PrefillPoint, ...]
     decode: tuple[DecodePoint, ...]
     transfer_gbps: dict[str, float] = field(default_factory=dict)  # by transport
+    threads: int = 0  # the engine's torch threads (0: not recorded, a profile from before)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.measure import PEER_SOURCE, main
-from planner.profile import EngineProfile
+from planner.measure import main
+from planner.profile import PEER_SOURCE, EngineProfile
 
 
 def test_a_profile_beside_a_busy_peer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -20,6 +20,6 @@ def test_a_profile_beside_a_busy_peer(tmp_path: Path, capsys: pytest.CaptureFixt
     report = json.loads(capsys.readouterr().out)
     busy = EngineProfile.load(out)
     assert report["node_class"] == busy.node_class == "cpu:test:busy-peer" and busy.source == PEER_SOURCE
-    assert len(busy.prefill) == 3 and len(busy.decode) == 2
+    assert len(busy.prefill) == 3 and len(busy.decode) == 2 and busy.threads == 1
     assert all(p.seconds > 0 for p in (*busy.prefill, *busy.decode))
     assert not multiprocessing.active_children()  # the peer was stopped and reaped
