@@ -35,7 +35,7 @@ from bench.workloads import Mix, WorkItem, make_items
 from engine.config import ModelConfig
 from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer
-from planner.kinds import CPU_HANDOFF_FIXED_S, model_config
+from planner.kinds import CPU_HANDOFF_FIXED_S, model_config, sharing
 from planner.profile import EngineProfile
 from planner.roofline import ModelShape
 from planner.search import NodeKind, attainment, colocated
@@ -81,8 +81,7 @@ def _spec(
     lent = profiles.get(system["cores"]) if system.get("lend_cores") else None
     worker = WorkerSpec(StepCosts.fit(profile), kv_tokens)
     if system["cores"] > system["threads"] and (lent is not None or busy_peer is not None):
-        fit = [StepCosts.fit(p) if p is not None else None for p in (lent, busy_peer)]
-        worker = replace(worker, host=0, lent=fit[0], contended=fit[1])
+        worker = sharing(worker, lent, busy_peer)
     if system["colocated"]:
         return colocated(NodeKind(system["name"], worker), system["colocated"])
     gbps = profile.transfer_gbps.get("grpc", 1.0)

@@ -7,13 +7,14 @@ kept as data (planner/hardware.json), estimated by the roofline for a model's sh
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.config import ModelConfig
 from planner.hardware import Hardware, known
 from planner.measure import FULL
-from planner.profile import DecodePoint, EngineProfile, PrefillPoint
+from planner.profile import PEER_SOURCE, DecodePoint, EngineProfile, PrefillPoint
 from planner.roofline import ModelShape, estimate
 from planner.search import NodeKind
 from planner.simulator import WorkerSpec
@@ -79,6 +80,57 @@ def from_profile(profile: EngineProfile, price: float, available: int) -> NodeKi
     gbps = profile.transfer_gbps.get("grpc") or max(profile.transfer_gbps.values(), default=1.0)
     worker = WorkerSpec(StepCosts.fit(profile), CPU_KV_TOKENS)
     return NodeKind(profile.node_class, worker, price, available, gbps)
+
+
+@dataclass(frozen=True)
+class Host:
+    """The one machine every worker runs on (`tandem serve` without --join): its cores, each
+    worker's threads, and whether idle workers lend theirs (engine/core_ledger.py)."""
+
+    cores: int
+    threads: int
+    lend: bool = True
+
+    @property
+    def room(self) -> int:
+        """The workers it runs without oversubscribing its cores: more share the same cores."""
+        return max(1, self.cores // self.threads)
+
+
+def sharing(worker: WorkerSpec, lent: EngineProfile | None, contended: EngineProfile | None) -> WorkerSpec:
+    """`worker` as one of several on one host (the simulator's host 0): on `lent` (all the
+    host's cores) while its peers are idle, on `contended` while one is busy, where given."""
+    fit = [StepCosts.fit(p) if p is not None else None for p in (lent, contended)]
+    return replace(worker, host=0, lent=fit[0], contended=fit[1])
+
+
+def host_kind(profiles: Sequence[EngineProfile], host: Host | None, available: int) -> NodeKind:
+    """The autoscaler's node kind from its profiles (`--autoscale-profile`). On no host (each
+    worker on a node of its own), the one profile. On `host`: the profile at each worker's
+    threads, lent the one at all its cores (where idle workers lend theirs), contended one
+    measured beside a busy peer at the worker's threads (where given), and at most `host.room`
+    workers. A profile from before threads were recorded stands for any, when it is the only
+    one. Raises ValueError where no profile fits."""
+    if len({(p.dtype, p.kv_dtype) for p in profiles}) != 1:
+        raise ValueError("the profiles must be of one engine: the same dtype and KV dtype")
+    plain = [p for p in profiles if p.source != PEER_SOURCE]
+    peer = [p for p in profiles if p.source == PEER_SOURCE]
+    if host is None:
+        if len(plain) != 1 or peer:
+            raise ValueError("without one host (--join or RAY_ADDRESS), plan with one profile, not busy-peer ones")
+        return from_profile(plain[0], 0.0, available)
+
+    def at(pool: list[EngineProfile], threads: int) -> EngineProfile | None:
+        return next((p for p in pool if p.threads == threads), None)
+
+    base = at(plain, host.threads) or (plain[0] if len(plain) == 1 and not plain[0].threads else None)
+    if base is None:
+        have = sorted({p.threads for p in plain})
+        raise ValueError(f"no profile at {host.threads} thread(s), each worker's here (profiles at: {have})")
+    kind = from_profile(base, 0.0, min(available, host.room))
+    lent = at(plain, host.cores) if host.lend and host.cores > host.threads else None
+    contended = at(peer, host.threads)
+    return kind if lent is None and contended is None else replace(kind, worker=sharing(kind.worker, lent, contended))
 
 
 def from_hardware(

@@ -167,6 +167,8 @@ def size_pair(
     most_p, most_d = p.available or limit, d.available or limit
     if p is d and p.available is not None:
         most_p = most_d = p.available - 1
+    if most_p < 1 or most_d < 1:
+        return None  # no room for a worker of each phase
 
     def fits(n_p: int, n_d: int) -> bool:
         return meets(handoff.spec(p, n_p, d, n_d), trace, slo)

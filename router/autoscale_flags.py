@@ -56,7 +56,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--autoscale-cooldown", type=float, default=60.0, help="seconds after a change with no other")
     ap.add_argument("--autoscale-step", type=int, default=1, help="workers a pool gains or loses a decision, at most")
     ap.add_argument("--autoscale-profile", default=env("TANDEM_AUTOSCALE_PROFILE", ""),
-                    help="a `tandem profile` JSON to plan with (without one, attainment alone decides)")  # fmt: skip
+                    help="`tandem profile` JSON(s) to plan with, comma-separated: on one host, at each worker's "
+                    "threads, and at all its cores and --beside-busy-peer where given (without one, attainment "
+                    "alone decides)")  # fmt: skip
+
+
+def profile_paths(text: str) -> list[str]:
+    """`--autoscale-profile`'s files, in order."""
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def config_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
@@ -67,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
     bounds = Bounds(min=lo, max=hi, max_step=args.autoscale_step, cooldown_s=args.autoscale_cooldown, max_pd=pd)
     if args.autoscale_interval <= 0:
         raise ValueError("--autoscale-interval must be > 0")
-    if args.autoscale_profile and not os.path.exists(args.autoscale_profile):
-        raise ValueError(f"--autoscale-profile: no file {args.autoscale_profile!r}")
+    for path in profile_paths(args.autoscale_profile):
+        if not os.path.exists(path):
+            raise ValueError(f"--autoscale-profile: no file {path!r}")
     return AutoscaleConfig(parse_slo(args.slo), bounds, args.autoscale_interval)

@@ -22,10 +22,11 @@ from collections.abc import Callable, Mapping
 
 from engine.roles import ROLES
 from planner.autoscale import Decision, Memory, Window, decide
+from planner.kinds import Host
 from planner.search import Handoff, NodeKind, fewest_colocated, size_pair
 from planner.slo import SLO
 from planner.trace import Trace
-from router.autoscale_flags import AutoscaleConfig
+from router.autoscale_flags import AutoscaleConfig, profile_paths
 from router.backend import Backend
 from router.window import LoadWindow, Taken
 from router.window_share import WindowShare, merged
@@ -47,11 +48,11 @@ def window_trace(taken: Taken) -> Trace | None:
 
 def profile_planner(kind: NodeKind, handoff: Handoff, limit: int = 64) -> Planner:
     """Sizes from the simulator over one node kind's profile: the fewest colocated workers, or
-    the fewest prefill and decode workers, meeting the SLOs."""
+    the fewest prefill and decode workers, meeting the SLOs (at most `kind.available` in all)."""
 
     def plan(trace: Trace, slo: SLO, current: Mapping[str, int]) -> dict[str, int] | None:
         if current.get("colocated", 0) and not current.get("prefill", 0):
-            n = fewest_colocated(kind, trace, slo, limit)
+            n = fewest_colocated(kind, trace, slo, kind.available or limit)
             return None if n is None else {"prefill": 0, "decode": 0, "colocated": n}
         sized = size_pair(kind, kind, trace, slo, handoff, limit)
         return None if sized is None else {"prefill": sized[0], "decode": sized[1], "colocated": 0}
@@ -125,21 +126,32 @@ class Autoscaler:
                 log.warning("autoscale round failed: %r", e)
 
 
-def start(args: argparse.Namespace, config: AutoscaleConfig, backend: Backend, window: LoadWindow,
-          stop: threading.Event, share: WindowShare | None = None) -> Autoscaler:  # fmt: skip
-    """Build the autoscaler for `tandem serve` and run it on a daemon thread until `stop`."""
-    planner = None
-    if args.autoscale_profile:
-        from engine.model_files import default_model_path
-        from planner.kinds import CPU_HANDOFF_FIXED_S, from_profile, model_config
-        from planner.profile import EngineProfile
-        from planner.roofline import ModelShape
+def planner_from_args(args: argparse.Namespace, config: AutoscaleConfig, host: Host | None) -> Planner | None:
+    """The simulator's planner over `--autoscale-profile` (comma-separated `tandem profile`
+    JSONs), on `host` where every worker shares this one (planner.kinds.host_kind); None
+    without a profile. Raises ValueError where the profiles do not fit (before any start)."""
+    if not args.autoscale_profile:
+        return None
+    from engine.model_files import default_model_path
+    from planner.kinds import CPU_HANDOFF_FIXED_S, host_kind, model_config
+    from planner.profile import EngineProfile
+    from planner.roofline import ModelShape
 
-        profile = EngineProfile.load(args.autoscale_profile)
-        kind = from_profile(profile, 0.0, max(config.bounds.max.values()))
-        served = model_config(args.model or str(default_model_path()))
-        shape = ModelShape.of(served, profile.dtype, profile.kv_dtype)
-        planner = profile_planner(kind, Handoff(CPU_HANDOFF_FIXED_S, shape.kv_bytes_per_token))
+    profiles = []
+    for path in profile_paths(args.autoscale_profile):
+        try:
+            profiles.append(EngineProfile.load(path))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a `tandem profile` JSON ({e})") from None
+    kind = host_kind(profiles, host, max(config.bounds.max.values()))
+    served = model_config(args.model or str(default_model_path()))
+    shape = ModelShape.of(served, profiles[0].dtype, profiles[0].kv_dtype)  # one dtype: host_kind checked
+    return profile_planner(kind, Handoff(CPU_HANDOFF_FIXED_S, shape.kv_bytes_per_token))
+
+
+def start(config: AutoscaleConfig, backend: Backend, window: LoadWindow, stop: threading.Event,
+          planner: Planner | None, share: WindowShare | None = None) -> Autoscaler:  # fmt: skip
+    """Build the autoscaler for `tandem serve` and run it on a daemon thread until `stop`."""
     scaler = Autoscaler(backend, window, config, planner, share=share)
     threading.Thread(target=scaler.run, args=(stop,), name="autoscaler", daemon=True).start()
     return scaler

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pydantic
 import uvicorn
@@ -23,6 +23,9 @@ from router.port_check import PortUnavailable, check_port_free
 from router.ray_watch import RayWatch, gcs_reachable
 from router.serve_args import parse
 from router.settings import RouterSettings
+
+if TYPE_CHECKING:
+    from router.autoscaler import Planner
 
 EXAMPLE = """\
 Tandem is serving {model} at {url}
@@ -143,9 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = _settings(args)
     prefill, decode = (0, 0) if args.colocated else (args.prefill, args.decode)
+    one_host = not args.join and "RAY_ADDRESS" not in os.environ  # every worker on this host
     threads = args.threads
-    if not threads and not args.join and "RAY_ADDRESS" not in os.environ:  # every worker on this host
+    if not threads and one_host:
         threads = threads_per_worker(os.cpu_count() or 1, prefill + decode + args.colocated)
+    planner = None
+    if autoscale is not None:
+        from planner.kinds import Host
+        from router.autoscaler import planner_from_args
+
+        host = Host(os.cpu_count() or 1, threads, not args.no_lend_cores) if one_host else None
+        try:  # the profiles are read now: one that does not fit is a line before any start
+            planner = planner_from_args(args, autoscale, host)
+        except ValueError as e:
+            raise SystemExit(f"tandem serve: --autoscale-profile: {e}") from None
     try:  # a bad engine or pool option: one line, not a traceback
         config = ClusterConfig(
             model_path=args.model,
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_progress, args=(cluster, loaded, started), daemon=True).start()
         if cluster.wait_ready(stop=signals.requested):
             loaded.set()
-            code = _route(cluster, settings, args, autoscale, started, stop, signals)
+            code = _route(cluster, settings, args, autoscale, planner, started, stop, signals)
     except (WorkersCannotStart, TimeoutError) as e:  # the pools never came up: say why, no traceback
         print(f"tandem serve: {e}", file=sys.stderr, flush=True)
         code = 1
@@ -227,6 +241,7 @@ def _route(
     settings: RouterSettings,
     args: argparse.Namespace,
     autoscale: autoscale_flags.AutoscaleConfig | None,
+    planner: Planner | None,
     started: float,
     stop: threading.Event,
     signals: stopping.StartSignals,
@@ -242,7 +257,7 @@ def _route(
         from router.window_share import RedisWindowShare
 
         share = RedisWindowShare(cluster.state, autoscale.interval_s)  # one router decides over all of theirs
-        autoscaler.start(args, autoscale, backend, app.state.dispatcher.window, stop, share)
+        autoscaler.start(autoscale, backend, app.state.dispatcher.window, stop, planner, share)
         print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
     url = f"http://{settings.host}:{settings.port}"
     print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
