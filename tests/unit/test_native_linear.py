@@ -24,11 +24,13 @@ def per_row_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     return dots * (amax / 127.0)[:, None] * scale.float()
 
 
-# 7 blocks and 6 rows: split unevenly over 2 threads, a tile of 6 x 3 blocks and one of 6 x 4;
-# 13 rows: tiles of 8 x 3 blocks, then 5 rows; 11 blocks and 8 rows: 8 x 3 tiles and an 8 x 2;
-# 6 blocks and 37 rows: prefill's tall tiles (8 rows x 2 blocks), then 5 rows; each row alone:
-# one block at a time (k = 100: past its 16 inputs a step, 4 at a time).
-@pytest.mark.parametrize(("blocks", "rows", "k"), [(7, 6, 96), (7, 13, 96), (11, 8, 96), (6, 37, 96), (6, 20, 100)])
+# 7 blocks and 6 rows: split unevenly over 2 threads, the 6 rows passing a block at a time;
+# 13 rows: 8 rows, then 5; 11 blocks and 8 rows; 6 blocks and 37 rows: prefill's tall tiles
+# (8 rows x 2 blocks), then 5 rows; each row alone: row_block. k = 100, a multiple of neither
+# 8 nor 16: the few-row and one-row loops' tails, 4 inputs at a time.
+@pytest.mark.parametrize(
+    ("blocks", "rows", "k"), [(7, 6, 96), (7, 13, 96), (11, 8, 96), (6, 37, 96), (6, 20, 100), (5, 7, 100)]
+)
 def test_int8_linear_is_the_per_row_product_bit_for_bit(ops: native.NativeOps, blocks: int, rows: int, k: int) -> None:
     gen = torch.Generator().manual_seed(3)
     n = 16 * blocks
