@@ -2,7 +2,8 @@
 sizes to set now, with the reasons. Plain values in and out: no clock, no Ray, no Redis.
 
     planned    the sizes the planner finds meeting the SLOs for the window's traffic (or None:
-               no profile to plan with, so only the window's attainment speaks)
+               no profile to plan with, or no size within its reach meets them, so only the
+               window's attainment speaks; `unplanned` says which)
     step       each pool moves toward its planned size by at most `max_step` a decision,
                within [min, max] of its role
     up         at once, when the plan asks for more, or when attainment is under target and
@@ -84,6 +85,7 @@ class Decision:
     sizes: Mapping[str, int]
     reasons: tuple[str, ...]
     changed: bool
+    held: bool = False  # a change was wanted and not made (a hold, a held growth, the cooldown)
 
 
 def decide(
@@ -93,13 +95,15 @@ def decide(
     window: Window,
     bounds: Bounds,
     memory: Memory,
+    unplanned: str = "no profile to plan with",
 ) -> tuple[Decision, Memory]:
-    """The sizes to set now (see the module docstring), and the memory for the next call."""
+    """The sizes to set now (see the module docstring), and the memory for the next call.
+    `unplanned`: why `planned` is None, for the reasons."""
     missing = any(_missed(a, window, bounds) for a in (window.ttft_attainment, window.tpot_attainment))
     want = dict(planned) if planned is not None else dict(current)
     reasons = [_window_reason(window, bounds)]
     if planned is None:
-        reasons.append("no profile to plan with: attainment alone decides")
+        reasons.append(f"{unplanned}: attainment alone decides")
     for slo, a in (("TTFT", window.ttft_attainment), ("TPOT", window.tpot_attainment)):
         if a < bounds.target and not _missed(a, window, bounds):
             reasons.append(f"{slo}: {(1 - a) * window.requests:.0f} of {window.requests} requests missed it, "
@@ -111,16 +115,18 @@ def decide(
     lower: dict[str, int] = {
         r: memory.lower_in_a_row.get(r, 0) + 1 if want.get(r, 0) < current.get(r, 0) else 0 for r in ROLES
     }
-    sizes = dict(current)
+    sizes, held = dict(current), False
     for role in ROLES:
         have, goal = current.get(role, 0), bounds.clamp(role, want.get(role, 0))
         if goal == have:
             continue
         if goal < have and missing:
             reasons.append(f"{role}: hold at {have}, not {goal}: attainment is under target")
+            held = True
             continue
         if goal < have and lower[role] < bounds.down_after:
             reasons.append(f"{role}: hold at {have}, planned {goal} for {lower[role]} of {bounds.down_after} windows")
+            held = True
             continue
         step = max(-bounds.max_step, min(bounds.max_step, goal - have))
         sizes[role] = have + step
@@ -131,11 +137,12 @@ def decide(
         sizes.setdefault("prefill", 0)
         sizes.setdefault("decode", 0)
         short = _short_roles(current, window, bounds) if missing else []
-        back = _trade(sizes, current, short, bounds, memory, reasons)
+        back, traded_held = _trade(sizes, current, short, bounds, memory, reasons)
+        held = held or traded_held
     changed = sizes != dict(current)
     if changed and memory.last_change_s is not None and now_s - memory.last_change_s < bounds.cooldown_s:
         wait = bounds.cooldown_s - (now_s - memory.last_change_s)
-        return Decision(dict(current), (*reasons, f"cooldown: {wait:.0f} s left, no change"), False), replace(
+        return Decision(dict(current), (*reasons, f"cooldown: {wait:.0f} s left, no change"), False, True), replace(
             memory, lower_in_a_row=lower, back_in_a_row=back
         )
     if changed:
@@ -143,17 +150,18 @@ def decide(
         memory = Memory(now_s, lower, _flipped_to(sizes, current))
     else:
         memory = replace(memory, lower_in_a_row=lower, back_in_a_row=back)
-    return Decision(sizes, tuple(reasons), changed), memory
+    return Decision(sizes, tuple(reasons), changed, held), memory
 
 
 def _trade(sizes: dict[str, int], current: Mapping[str, int], short: list[str], bounds: Bounds, memory: Memory,
-           reasons: list[str]) -> int:  # fmt: skip
+           reasons: list[str]) -> tuple[int, bool]:  # fmt: skip
     """Keep prefill + decode within `bounds.max_pd` where a pool grows: the other gives a worker
     (one flips) if its SLO is met and it stays within its min, and, if a worker flipped to it at
     the last change, once `down_after` windows in a row asked; else the growth is held. Returns
-    the windows in a row that asked to flip one back (0 if this one did not)."""
+    the windows in a row that asked to flip one back (0 if this one did not), and whether a
+    growth was held."""
     assert bounds.max_pd is not None
-    back = 0
+    back, held = 0, False
     for grow, give in (("decode", "prefill"), ("prefill", "decode")):
         while (
             sizes.get(grow, 0) > current.get(grow, 0)
@@ -172,13 +180,15 @@ def _trade(sizes: dict[str, int], current: Mapping[str, int], short: list[str], 
                                f"(prefill + decode at most {bounds.max_pd})")  # fmt: skip
             elif can_give:
                 sizes[grow] -= 1
+                held = True
                 reasons.append(f"{grow}: held at {sizes[grow]}: a worker flipped to {give} at the last change; "
                                f"back after {bounds.down_after} windows in a row ask ({back} so far)")  # fmt: skip
             else:
                 sizes[grow] -= 1
+                held = True
                 reasons.append(f"{grow}: held at {sizes[grow]}, prefill + decode at most {bounds.max_pd} and "
                                f"{give} cannot give one")  # fmt: skip
-    return back
+    return back, held
 
 
 def _flipped_to(sizes: Mapping[str, int], current: Mapping[str, int]) -> str | None:

@@ -100,17 +100,20 @@ class Autoscaler:
             sum(int(w.get("waiting", 0)) for w in workers),
             statistics.fmean(float(w.get("kv_usage", 0.0)) for w in workers) if workers else 0.0,
         )
-        planned = None
+        planned, unplanned = None, "no profile to plan with"
         trace = window_trace(taken) if self.planner is not None else None
         if self.planner is not None and trace is not None:
             planned = self.planner(trace.at_rate(self.config.headroom), slo, current)
-        decision, self.memory = decide(self.clock(), current, planned, window, self.config.bounds, self.memory)
+            unplanned = "no size the planner can reach meets the SLO at this traffic"
+        elif self.planner is not None:
+            unplanned = "too few finished requests to plan over"
+        decision, self.memory = decide(self.clock(), current, planned, window, self.config.bounds, self.memory,
+                                       unplanned)  # fmt: skip
         if decision.changed:  # together: one pool down and the other up is a role flip, not a drain and a start
             self.backend.scale({r: decision.sizes[r] for r in ROLES if decision.sizes[r] != current[r]})
             if self.share is not None and self.memory.last_change_s is not None:
                 self.share.changed(self.memory.last_change_s, self.memory.flipped_to)
-        held = any("hold" in r or "cooldown" in r for r in decision.reasons)
-        if decision.changed or held:
+        if decision.changed or decision.held:
             sizes = {r: decision.sizes[r] for r in ROLES}
             self.backend.emit("autoscale", changed=decision.changed, sizes=sizes, planned=planned,
                               reasons=list(decision.reasons))  # fmt: skip

@@ -37,7 +37,7 @@ def test_cooldown_holds_a_change() -> None:
     _, mem = decide(0, PD, {"prefill": 1, "decode": 3}, GOOD, BOUNDS, Memory())
     after = {"prefill": 1, "decode": 2, "colocated": 0}
     d, mem2 = decide(30, after, {"prefill": 1, "decode": 3}, GOOD, BOUNDS, mem)
-    assert not d.changed and d.sizes == after
+    assert not d.changed and d.held and d.sizes == after
     assert any("cooldown: 30 s left" in r for r in d.reasons)
     assert mem2.last_change_s == 0
     d, _ = decide(61, after, {"prefill": 1, "decode": 3}, GOOD, BOUNDS, mem2)
@@ -84,7 +84,14 @@ def test_a_missed_slo_adds_to_its_pool_when_the_plan_asks_no_more() -> None:
 
 def test_an_idle_window_changes_nothing_without_a_plan() -> None:
     d, _ = decide(0, PD, None, Window(60, 0, 1.0, 1.0), BOUNDS, Memory())
-    assert not d.changed
+    assert not d.changed and not d.held
+    assert not decide(0, PD, PD, GOOD, BOUNDS, Memory())[0].held  # the plan is what runs: nothing held
+
+
+def test_the_reasons_say_why_there_is_no_plan() -> None:
+    d, _ = decide(0, PD, None, SLOW_DECODE, BOUNDS, Memory(), unplanned="no size the planner can reach meets it")
+    assert "no size the planner can reach meets it: attainment alone decides" in d.reasons
+    assert d.changed and d.sizes["decode"] == 2
 
 
 def test_on_fixed_hardware_a_pool_grows_by_taking_a_worker_from_the_other() -> None:
@@ -95,7 +102,7 @@ def test_on_fixed_hardware_a_pool_grows_by_taking_a_worker_from_the_other() -> N
     assert any("a worker flips to decode" in r for r in d.reasons)
     slow_both = Window(60, 120, 0.5, 0.5)
     d, _ = decide(0, two_p, None, slow_both, fixed, Memory())
-    assert not d.changed, "a pool whose own SLO is missed gives nothing"
+    assert not d.changed and d.held, "a pool whose own SLO is missed gives nothing"
     assert any("decode: held at 1" in r for r in d.reasons)
     one_p = {"prefill": 1, "decode": 2, "colocated": 0}
     slow_first = Window(60, 120, 0.5, 1.0)

@@ -83,6 +83,21 @@ def test_the_plan_drives_the_sizes(smollm_tokenizer: Tokenizer) -> None:
     assert d.changed and backend.desired == {"prefill": 2, "decode": 1}  # one step toward 3
 
 
+def test_a_growth_the_bounds_hold_is_an_event_with_why_the_plan_is_empty(smollm_tokenizer: Tokenizer) -> None:
+    """Fixed hardware (pd=2) at 1P+1D, a missed TPOT and a planner that finds no size: decode
+    cannot grow (prefill is at its min), and the held decision still reaches /admin/events."""
+    backend = FakeBackend(smollm_tokenizer, token_delay_s=0.02)
+    c = client(backend, admin_token=TOKEN)
+    send(c, 6)
+    window: LoadWindow = c.app.state.dispatcher.window  # type: ignore[attr-defined]
+    bounds = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 2, "decode": 2}, max_pd=2)
+    s = Autoscaler(backend, window, AutoscaleConfig(SLO(5.0, 0.005), bounds, 1.0), lambda t, slo, cur: None)
+    d = s.tick()
+    assert not d.changed and d.held and backend.desired == {"prefill": 1, "decode": 1}
+    (event,) = c.get("/admin/events", headers=ADMIN).json()["events"]
+    assert "decode: held at 1" in event["reasons"] and "no size the planner can reach" in event["reasons"]
+
+
 def test_profile_planner_sizes_from_the_simulator(smollm_tokenizer: Tokenizer) -> None:
     from planner.kinds import from_profile
 
