@@ -91,6 +91,10 @@ class Host:
     threads: int
     lend: bool = True
 
+    def __post_init__(self) -> None:
+        if self.cores < 1 or self.threads < 1:
+            raise ValueError(f"a host needs cores and threads >= 1, got {self.cores} and {self.threads}")
+
     @property
     def room(self) -> int:
         """The workers it runs without oversubscribing its cores: more share the same cores."""

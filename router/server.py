@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         from planner.kinds import Host
         from router.autoscaler import planner_from_args
 
-        host = Host(os.cpu_count() or 1, threads, not args.no_lend_cores) if one_host else None
         try:  # the profiles are read now: one that does not fit is a line before any start
+            host = Host(os.cpu_count() or 1, threads, not args.no_lend_cores) if one_host else None
             planner = planner_from_args(args, autoscale, host)
         except ValueError as e:
             raise SystemExit(f"tandem serve: --autoscale-profile: {e}") from None

@@ -13,8 +13,8 @@
  *
  * With AVX512-VNNI up to 8 rows pass each block of 16 channels together (rows_block), so a
  * decode or verify step of up to 8 rows reads the weights once, as one sequential stream a
- * thread (many rows: 8 x 32, see tall_tile); the channel blocks are split evenly over `threads`
- * OpenMP threads. With AVX2 alone, tiles of up to 2 rows x 32 channels (tile_avx2: 3.0x the plain loops'
+ * thread (from 24 rows: tiles of 8 x 32, see tall_tile); the channel blocks are split evenly
+ * over `threads` OpenMP threads. With AVX2 alone, tiles of up to 2 rows x 32 channels (tile_avx2: 3.0x the plain loops'
  * one-stream decode on a Zen 1 EPYC, 4.3x at batch 16). Without either, plain loops. All three,
  * the same integer sums, the same bits.
  */

@@ -47,6 +47,8 @@ def test_a_host_kind_takes_each_profile_for_its_part() -> None:
     legacy = profile(0)  # a profile from before threads were recorded: any, when it is the only one
     assert host_kind([legacy], Host(cores=2, threads=1), available=4).worker.costs == StepCosts.fit(legacy)
     assert host_kind([ONE], None, available=5).available == 5  # nodes of their own: as many as the bounds
+    with pytest.raises(ValueError, match="cores and threads >= 1"):
+        Host(cores=2, threads=0)
 
 
 @pytest.mark.parametrize(
