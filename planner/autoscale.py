@@ -59,6 +59,43 @@ class Bounds:
 
 
 @dataclass(frozen=True)
+class Host:
+    """The one machine every worker runs on (`tandem serve` without --join): its cores, each
+    worker's threads, and whether idle workers lend theirs (engine/core_ledger.py)."""
+
+    cores: int
+    threads: int
+    lend: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cores < 1 or self.threads < 1:
+            raise ValueError(f"a host needs cores and threads >= 1, got {self.cores} and {self.threads}")
+
+    @property
+    def room(self) -> int:
+        """The workers it runs without oversubscribing its cores: more share the same cores."""
+        return max(1, self.cores // self.threads)
+
+
+def fit_bounds(bounds: Bounds, host: Host) -> tuple[Bounds, tuple[str, ...]]:
+    """The bounds as `host`'s cores hold them, where every worker runs on it: prefill + decode at
+    most `host.room` workers (as `pd=N` says for fixed hardware) unless the operator gave `pd=N`,
+    and colocated at most `host.room`; more workers would only share the same cores. Never
+    below the bounds' own minimums. Returns the bounds and what changed, in words."""
+    said = []
+    lo, hi = bounds.min, dict(bounds.max)
+    max_pd = bounds.max_pd
+    pd_most = hi.get("prefill", host.room + 1) + hi.get("decode", host.room + 1)  # a missing max: no limit
+    if max_pd is None and ("prefill" in hi or "decode" in hi) and pd_most > host.room:
+        max_pd = max(host.room, lo.get("prefill", 0) + lo.get("decode", 0), 2)
+        said.append(f"prefill + decode at most {max_pd} (pd={max_pd}; give pd=N to set another)")
+    if "colocated" in hi and hi["colocated"] > host.room:
+        hi["colocated"] = max(host.room, lo.get("colocated", 0))
+        said.append(f"colocated at most {hi['colocated']}")
+    return replace(bounds, max=hi, max_pd=max_pd), tuple(said)
+
+
+@dataclass(frozen=True)
 class Window:
     """What the router saw over the last interval."""
 

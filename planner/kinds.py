@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.config import ModelConfig
+from planner.autoscale import Host
 from planner.hardware import Hardware, known
 from planner.measure import FULL
 from planner.profile import PEER_SOURCE, DecodePoint, EngineProfile, PrefillPoint
@@ -80,25 +81,6 @@ def from_profile(profile: EngineProfile, price: float, available: int) -> NodeKi
     gbps = profile.transfer_gbps.get("grpc") or max(profile.transfer_gbps.values(), default=1.0)
     worker = WorkerSpec(StepCosts.fit(profile), CPU_KV_TOKENS)
     return NodeKind(profile.node_class, worker, price, available, gbps)
-
-
-@dataclass(frozen=True)
-class Host:
-    """The one machine every worker runs on (`tandem serve` without --join): its cores, each
-    worker's threads, and whether idle workers lend theirs (engine/core_ledger.py)."""
-
-    cores: int
-    threads: int
-    lend: bool = True
-
-    def __post_init__(self) -> None:
-        if self.cores < 1 or self.threads < 1:
-            raise ValueError(f"a host needs cores and threads >= 1, got {self.cores} and {self.threads}")
-
-    @property
-    def room(self) -> int:
-        """The workers it runs without oversubscribing its cores: more share the same cores."""
-        return max(1, self.cores // self.threads)
 
 
 def sharing(worker: WorkerSpec, lent: EngineProfile | None, contended: EngineProfile | None) -> WorkerSpec:

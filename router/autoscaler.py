@@ -19,10 +19,9 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from engine.roles import ROLES
-from planner.autoscale import Decision, Memory, Window, decide
+from planner.autoscale import Decision, Host, Memory, Window, decide
 from planner.search import Handoff, NodeKind, fewest_colocated, size_pair
 from planner.slo import SLO
 from planner.trace import Trace
@@ -30,9 +29,6 @@ from router.autoscale_flags import AutoscaleConfig, profile_paths
 from router.backend import Backend
 from router.window import LoadWindow, Taken
 from router.window_share import WindowShare, merged
-
-if TYPE_CHECKING:
-    from planner.kinds import Host  # it imports the engine: only where a profile is planned with
 
 log = logging.getLogger("tandem.autoscaler")
 

@@ -5,6 +5,7 @@ uvicorn; stop it all on Ctrl-C or SIGTERM (router/stopping.py). Its flags: route
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -152,11 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         threads = threads_per_worker(os.cpu_count() or 1, prefill + decode + args.colocated)
     planner = None
     if autoscale is not None:
-        from planner.kinds import Host
+        from planner.autoscale import Host, fit_bounds
         from router.autoscaler import planner_from_args
 
-        try:  # the profiles are read now: one that does not fit is a line before any start
+        try:
             host = Host(os.cpu_count() or 1, threads, not args.no_lend_cores) if one_host else None
+        except ValueError as e:
+            raise SystemExit(f"tandem serve: --threads: {e}") from None
+        if host is not None:  # more workers than its cores hold would only share them
+            bounds, said = fit_bounds(autoscale.bounds, host)
+            autoscale = dataclasses.replace(autoscale, bounds=bounds)
+            if said:
+                print(f"tandem: autoscaling on this host's {host.cores} cores, {host.threads} thread(s) a worker: "
+                      + "; ".join(said), flush=True)  # fmt: skip
+        try:  # the profiles are read now: one that does not fit is a line before any start
             planner = planner_from_args(args, autoscale, host)
         except ValueError as e:
             raise SystemExit(f"tandem serve: --autoscale-profile: {e}") from None

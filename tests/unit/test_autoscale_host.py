@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from planner.autoscale import Bounds
-from planner.kinds import Host, host_kind
+from planner.autoscale import Bounds, Host, Memory, Window, decide, fit_bounds
+from planner.kinds import host_kind
 from planner.profile import PEER_SOURCE, DecodePoint, EngineProfile, PrefillPoint
 from planner.search import Handoff
 from planner.slo import SLO
@@ -64,6 +65,24 @@ def test_a_host_kind_takes_each_profile_for_its_part() -> None:
 def test_profiles_that_do_not_fit_the_host_say_why(profiles: list[EngineProfile], host: Host | None, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         host_kind(profiles, host, available=4)
+
+
+def test_on_one_host_the_bounds_hold_no_more_workers_than_its_cores() -> None:
+    wide = Bounds(min={"prefill": 1, "decode": 1}, max={"prefill": 4, "decode": 4})
+    fitted, said = fit_bounds(wide, Host(cores=2, threads=1))
+    assert fitted.max_pd == 2 and fitted.max == wide.max and said == ("prefill + decode at most 2 (pd=2; give "
+                                                                      "pd=N to set another)",)  # fmt: skip
+    assert fit_bounds(replace(wide, max_pd=3), Host(2, 1)) == (replace(wide, max_pd=3), ())  # the operator's pd=N
+    assert fit_bounds(wide, Host(cores=16, threads=2)) == (wide, ())  # 8 workers' room: 4 + 4 fit
+    assert fit_bounds(Bounds(max={"prefill": 2}), Host(16, 2))[0].max_pd == 8  # no decode max: no limit
+    floors = Bounds(min={"prefill": 2, "decode": 2}, max={"prefill": 3, "decode": 3})
+    assert fit_bounds(floors, Host(2, 1))[0].max_pd == 4  # never below the operator's minimums
+    colo, said = fit_bounds(Bounds(min={"colocated": 1}, max={"colocated": 4}), Host(cores=2, threads=2))
+    assert colo.max == {"colocated": 1} and colo.max_pd is None and said == ("colocated at most 1",)
+    # so a missed TPOT at 1P+1D on 2 cores trades (here: holds, prefill at its min) instead of a third worker
+    d, _ = decide(0, PD, None, Window(60, 120, 1.0, 0.5), fitted, Memory())
+    assert not d.changed and d.held and any("prefill + decode at most 2" in r for r in d.reasons)
+    assert decide(0, PD, None, Window(60, 120, 1.0, 0.5), wide, Memory())[0].sizes["decode"] == 2
 
 
 def steady(n: int, every_s: float, prompt: int, output: int) -> Trace:
