@@ -225,6 +225,10 @@ def _trade(sizes: dict[str, int], current: Mapping[str, int], short: list[str], 
                 held = True
                 reasons.append(f"{grow}: held at {sizes[grow]}, prefill + decode at most {bounds.max_pd} and "
                                f"{give} cannot give one")  # fmt: skip
+    for role in ("prefill", "decode"):  # a growth held all the way back: its step line would read as made
+        if sizes.get(role, 0) == current.get(role, 0):
+            step = f"{role}: {current.get(role, 0)} -> "
+            reasons[:] = [r for r in reasons if not r.startswith(step)]
     return back, held
 
 

@@ -104,6 +104,7 @@ def test_on_fixed_hardware_a_pool_grows_by_taking_a_worker_from_the_other() -> N
     d, _ = decide(0, two_p, None, slow_both, fixed, Memory())
     assert not d.changed and d.held, "a pool whose own SLO is missed gives nothing"
     assert any("decode: held at 1" in r for r in d.reasons)
+    assert not any(r.startswith("decode: 1 -> 2") for r in d.reasons), "no step line for the growth held back"
     one_p = {"prefill": 1, "decode": 2, "colocated": 0}
     slow_first = Window(60, 120, 0.5, 1.0)
     d, _ = decide(0, one_p, None, slow_first, fixed, Memory())
