@@ -82,7 +82,7 @@ class EngineConfig:
     # (engine/core_ledger.py); off: each steps on num_threads, busy peers or not.
     lend_cores: bool = True
     speculative: str = ""  # "ngram" / "suffix": drafts verified each step (engine/speculation.py)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     kv_dtype: str = "auto"  # how the KV cache stores keys and values: engine/kv_codec.py
     prefill_attention: str = "auto"  # a prefill chunk's attention kernel on the CPU: PREFILL_ATTENTION
     weight_cache: bool = True  # prepared weights cached beside the checkpoint (engine/weight_cache.py)

@@ -13,8 +13,14 @@ hashes only those, and blocks past them are freed.
 
 Drafters (engine/drafters.py, model-free: SmolLM2 ships no draft model): "ngram", prompt lookup
 in the request's own text; "suffix", that and the worker's recent outputs. A draft token's
-confidence, the drafter's, is scaled by the request's own acceptance so far (a moving average):
-a request that copies its prompt keeps drafting, open chat soon stops.
+confidence is the drafter's: the chance it is accepted once the tokens before it were. The first
+token's is scaled by the request's trust (`updated_trust`): how its first draft tokens fared
+against what the drafter promised, a moving average over every draft it proposed, verified or
+not (one not verified is scored against the token that came instead). So a request that copies
+its prompt keeps drafting, open chat drafts less, and a request that stopped copying for a while
+starts again when it copies again (scored only on verified drafts, trust that fell below a
+row's cost had never recovered: a summarize answer that paraphrased one sentence drafted nothing
+after it).
 
 Draft length by load (`verify_len`): at a small batch the step is memory-bound, and verifying a
 few more tokens costs almost nothing; at a large one it is compute-bound, and every rejected
@@ -38,8 +44,12 @@ from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.scheduler import ScheduledChunk
 
-PRIOR_RATE = 0.7  # a request's acceptance before its first verified draft
-RATE_WEIGHT = 0.3  # of the latest draft in a request's moving acceptance
+TRUST_WEIGHT = 0.3  # of the latest draft in a request's trust (starts at 1: the drafter's word)
+MAX_TRUST = 2.0
+# No request looks for a draft in a step whose next row would cost this many tokens or more:
+# there even a sure first token barely pays, and a look costs 13-19 us a request (a 16-row
+# step: 2-3% of it). 13 rows or more on the fused line, 12 on the torch one.
+DRAFT_BELOW_COST = 0.65
 
 
 # a 1-row step's marginal row cost, by the step that verifies (README, "Speculative decoding")
@@ -66,6 +76,20 @@ def verify_len(draft: Draft, rows: int, base: float = TORCH_STEP_BASE) -> int:
         if p < row_cost(rows + i, base):
             return i
     return len(draft.token_ids)
+
+
+def updated_trust(trust: float, confidence: float, hit: bool) -> float:
+    """A request's trust after a draft whose first token the drafter gave `confidence` was
+    accepted (`hit`) or not: a moving average of hit / confidence, so 1 while the drafter is
+    right about it, within [0, MAX_TRUST]."""
+    return min(MAX_TRUST, (1 - TRUST_WEIGHT) * trust + TRUST_WEIGHT * hit / max(confidence, 1e-3))
+
+
+def trusted(draft: Draft, trust: float) -> Draft:
+    """`draft` with its first token's confidence scaled by the request's trust (at most 1)."""
+    if not draft.token_ids:
+        return draft
+    return Draft(draft.token_ids, (min(1.0, draft.confidence[0] * trust),) + draft.confidence[1:])
 
 
 def accepted(draft: Sequence[int], sampled: Sequence[int]) -> int:
@@ -96,7 +120,11 @@ class Speculator:
         self.tree = OutputTree(max_draft=max_draft) if kind == "suffix" else None
         self._drafters: dict[str, PromptLookup | SuffixDrafter] = {}
         self._requests: dict[str, Request] = {}
-        self._rate: dict[str, float] = {}  # each request's draft tokens accepted, a moving average
+        self._trust: dict[str, float] = {}  # each request's (updated_trust)
+        # each request's last draft not verified: (the index its first token would have had,
+        # that token, the drafter's confidence in it), scored at the next draft
+        self._unverified: dict[str, tuple[int, int, float]] = {}
+        self._first_conf: dict[str, float] = {}  # the drafter's confidence in the draft being verified
         self.drafts = 0
         self.drafted = 0
         self.accepted = 0
@@ -116,15 +144,24 @@ class Speculator:
                 d = self._drafters[req.request_id] = self._new_drafter()
                 self._requests[req.request_id] = req
             d.update(req.token_ids)
+            rid = req.request_id
+            seen = self._unverified.pop(rid, None)
+            if seen is not None and seen[0] < req.num_tokens:  # what came where the draft was not verified
+                self._trust[rid] = updated_trust(self._trust.get(rid, 1.0), seen[2], req.token_ids[seen[0]] == seen[1])
+            req.draft = ()
+            if row_cost(rows, self.base_cost) >= DRAFT_BELOW_COST:
+                continue
             # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            rate = self._rate.get(req.request_id, PRIOR_RATE)  # a token's confidence: match x history
-            if rate < row_cost(rows, self.base_cost):  # not even a sure match would be verified: do not look
-                req.draft = ()
-                continue
             draft = d.propose()
-            draft = Draft(draft.token_ids, tuple(c * rate for c in draft.confidence))
-            req.draft = draft.token_ids[: max(0, min(room, verify_len(draft, rows, self.base_cost)))]
+            if not draft.token_ids:
+                continue
+            k = verify_len(trusted(draft, self._trust.get(rid, 1.0)), rows, self.base_cost)
+            req.draft = draft.token_ids[: max(0, min(room, k))]
+            if req.draft:
+                self._first_conf[rid] = draft.confidence[0]
+            else:
+                self._unverified[rid] = (req.num_tokens, draft.token_ids[0], draft.confidence[0])
             rows += len(req.draft)
 
     def reset(self) -> None:
@@ -134,14 +171,18 @@ class Speculator:
         nothing running."""
         self._drafters.clear()
         self._requests.clear()
-        self._rate.clear()
+        self._trust.clear()
+        self._unverified.clear()
+        self._first_conf.clear()
         if self.tree is not None:
             self.tree.clear()
 
     def _forget(self, request_id: str) -> None:
         """A request left the running set: finished (its answer joins the tree) or preempted."""
         del self._drafters[request_id]
-        self._rate.pop(request_id, None)
+        self._trust.pop(request_id, None)
+        self._unverified.pop(request_id, None)
+        self._first_conf.pop(request_id, None)
         done = self._requests.pop(request_id)
         if self.tree is not None and done.finish_reason in ("stop", "length"):
             self.tree.add(done.prompt_token_ids, done.output_token_ids)
@@ -160,7 +201,7 @@ class Speculator:
         req.num_draft_tokens += len(c.draft)
         req.num_accepted_tokens += n
         rid = req.request_id
-        self._rate[rid] = (1 - RATE_WEIGHT) * self._rate.get(rid, PRIOR_RATE) + RATE_WEIGHT * n / len(c.draft)
+        self._trust[rid] = updated_trust(self._trust.get(rid, 1.0), self._first_conf.pop(rid, 1.0), n > 0)
         self.accepted += n
         for i in range(n):
             self.per_position[i] += 1

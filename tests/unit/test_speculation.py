@@ -18,7 +18,17 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.speculation import FUSED_STEP_BASE, TORCH_STEP_BASE, Speculator, accepted, row_cost, verify_len
+from engine.speculation import (
+    FUSED_STEP_BASE,
+    MAX_TRUST,
+    TORCH_STEP_BASE,
+    Speculator,
+    accepted,
+    row_cost,
+    trusted,
+    updated_trust,
+    verify_len,
+)
 from tests.unit.kv_harness import make_pair
 from tests.unit.tiny import make_engine
 
@@ -143,7 +153,8 @@ def test_the_decode_side_of_pd_speculates_to_the_same_tokens(tiny_model: LlamaMo
 def test_prompt_lookup_drafts_what_followed_the_longest_tail() -> None:
     d = PromptLookup(max_draft=3)
     d.update([1, 2, 3, 4, 5, 9, 2, 3, 4])
-    assert d.propose().token_ids == (5, 9, 2)  # tail [2, 3, 4] seen at 1..3, followed by 5, 9, 2
+    # tail [2, 3, 4] seen at 1..3, followed by 5, 9, 2: a 3-token match's first token, then copies
+    assert d.propose() == Draft((5, 9, 2), (0.55, 0.85, 0.85))
     d.update([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 7])
     assert d.propose() == Draft((), ())  # [4, 7, 7], [7, 7] never seen before
     d.update([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 7, 2, 3])
@@ -212,7 +223,7 @@ def test_the_engine_prices_rows_by_the_step_it_runs(tiny_model: LlamaModel) -> N
     assert Speculator(KVCacheManager(16, 4), max_draft=4, max_model_len=64).base_cost == TORCH_STEP_BASE
 
 
-@pytest.mark.parametrize(("running", "granted"), [(4, [2, 2, 1, 1]), (8, [1, 1, 1, 1, 1, 0, 0, 0])])
+@pytest.mark.parametrize(("running", "granted"), [(4, [4, 2, 2, 0]), (8, [2, 2, 0, 0, 0, 0, 0, 0])])
 def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, granted: list[int]) -> None:
     spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
     reqs = []
@@ -221,12 +232,43 @@ def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, g
         r.num_computed_tokens = r.num_tokens - 1  # decoding
         reqs.append(r)
     spec.draft(reqs)
-    # each proposes [8, 5, 6, 7] at 0.7 a token (a 4-token match x the prior rate): cumulative
-    # 0.7, 0.49, 0.34, against row costs 0.2 + 0.045 x (rows - 1) that grow with each grant.
-    # 4 running: r0 passes 0.335, 0.38 (not 0.425), r1 0.425, 0.47 (not 0.515), r2 0.515 (not
-    # 0.56), r3 0.56. 8 running: one token each while 0.7 clears 0.515 .. 0.695, then none.
+    # each proposes [8, 5, 6, 7], a 4-token match: 0.8 for the first token, 0.85 for each next
+    # (cumulative 0.8, 0.68, 0.578, 0.491), against row costs 0.2 + 0.045 x (rows - 1) that grow
+    # with each grant. 4 running: r0 passes 0.335 .. 0.47 (all 4), r1 0.515, 0.56 (not 0.605), r2
+    # 0.605, 0.65 (not 0.695); at 12 rows a row costs 0.695 >= DRAFT_BELOW_COST: r3 does not look.
+    # 8 running: r0 0.515, 0.56, r1 0.605, 0.65, then no one looks.
     assert [len(r.draft) for r in reqs] == granted
     assert reqs[0].draft == (8, 5, 6, 7)[: granted[0]]
+
+
+def test_trust_scales_the_first_token_by_how_the_drafter_fared() -> None:
+    assert updated_trust(1.0, 0.5, True) == pytest.approx(0.7 + 0.3 * 2)  # right where it said 0.5
+    assert updated_trust(1.0, 0.8, False) == pytest.approx(0.7)
+    assert updated_trust(1.9, 0.1, True) == MAX_TRUST
+    d = Draft((4, 5), (0.5, 0.85))
+    assert trusted(d, 1.3) == Draft((4, 5), (pytest.approx(0.65), 0.85)), "only the first token's"
+    assert trusted(d, 3.0).confidence[0] == 1.0 and trusted(Draft((), ()), 2.0) == Draft((), ())
+
+
+@pytest.mark.parametrize(("came", "then"), [(5, (1, 2)), (3, ())])
+def test_a_draft_not_verified_is_scored_against_the_token_that_came(came: int, then: tuple[int, ...]) -> None:
+    """Trust learns from every draft proposed, so a request whose drafts were not worth a row
+    for a while drafts again when its text turns copyable (scored only on verified drafts, a
+    request under a row's cost never moved again)."""
+    spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
+    busy = [Request(f"p{i}", [1] * 8, SamplingParams(max_tokens=8), arrival_seq=i) for i in range(7)]  # prefilling
+    req = Request("r", [1, 2, 3, 9, 1, 2, 5, 1, 2], SamplingParams(max_tokens=50), arrival_seq=7)
+    req.num_computed_tokens = req.num_tokens - 1
+    spec.draft([*busy, req])
+    # a 2-token match ([1, 2] -> 5, 1, 2) at 0.5 against a row of 0.515 (8 rows): not verified
+    assert req.draft == ()
+    req.token_ids.append(came)
+    req.num_computed_tokens += 1
+    spec.draft([*busy, req])
+    # 5 came: trust 0.7 + 0.3 x 1 / 0.5 = 1.3; [1, 2, 5] -> 1, 2, 5 at 0.55 x 1.3 = 0.715, then
+    # 0.608, 0.517: 2 tokens pass 0.515, 0.56. 3 came: trust 0.7; [1, 2, 3] -> 9, 1, 2, 5 at
+    # 0.55 x 0.7 = 0.385 < 0.515 (at trust 1 its first token would pass).
+    assert req.draft == then
 
 
 def test_accepted_counts_the_confirmed_prefix() -> None:
