@@ -68,7 +68,7 @@ class Engine:
         if graphed:
             widest = -(-self.max_model_len // config.block_size)
             self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=config.num_blocks)
-        self.speculator = speculator_for(config, self.kv, self.max_model_len, fused=model.native is not None)
+        self.speculator = speculator_for(config, self.kv, self.max_model_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()

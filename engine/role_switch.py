@@ -36,4 +36,4 @@ def switch_role(engine: Engine, config: EngineConfig) -> None:
     engine.scheduler.max_num_seqs = config.max_num_seqs
     engine.scheduler.max_num_batched_tokens = config.max_num_batched_tokens
     engine.scheduler.prefill_chunk = config.prefill_chunk
-    engine.speculator = speculator_for(config, engine.kv, engine.max_model_len, fused=engine.model.native is not None)
+    engine.speculator = speculator_for(config, engine.kv, engine.max_model_len)

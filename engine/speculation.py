@@ -46,34 +46,36 @@ from engine.scheduler import ScheduledChunk
 
 TRUST_WEIGHT = 0.3  # of the latest draft in a request's trust (starts at 1: the drafter's word)
 MAX_TRUST = 2.0
+# A decode step of B rows takes about a + b B (a: what it costs whatever its rows, the weights'
+# reads; b: a row's attention and matmul work), so one more row costs b / T(B) of the step, which
+# yields B tokens: B / (B + STEP_KNEE) of a token, STEP_KNEE = a / b. Fitted to the step times on
+# record (README, "Speculative decoding"): the fused step 5.2 (a Zen 5: 3.35 ms at 1 row, 11.65
+# at 17), 3.8 (the same CPU, an earlier build), 5.6 (a Zen 4), 7.4 (an AVX-512 Xeon); the torch
+# ops 5.6 (22.4 ms at 1 row, 78.3 at 17). Until a later session this was a line, 0.11 + 0.045 a
+# row (0.2 + for the torch ops), under the measured cost from 3 rows on (0.43 against 0.3-0.5 at
+# 8 rows on that Zen 5): open chat at 8 streams verified drafts that cost it 10% of its tok/s.
+STEP_KNEE = 5.0
 # No request looks for a draft in a step whose next row would cost this many tokens or more:
 # there even a sure first token barely pays, and a look costs 13-19 us a request (a 16-row
-# step: 2-3% of it). 13 rows or more on the fused line, 12 on the torch one.
+# step: 2-3% of it). From 10 rows on.
 DRAFT_BELOW_COST = 0.65
 
 
-# a 1-row step's marginal row cost, by the step that verifies (README, "Speculative decoding")
-TORCH_STEP_BASE = 0.2  # the torch ops: about 0.22 at 1 row, 0.34 at 2, 0.43 at 5-9, 0.92 at 9-17
-FUSED_STEP_BASE = 0.11  # the fused decode step (engine/native.py): 0.06-0.08 at 1 row, 0.19-0.23
-# at 2, 0.32-0.36 at 3-9, 0.60-0.74 at 9-17 (the slope stays)
-
-
-def row_cost(rows: int, base: float = TORCH_STEP_BASE, per_row: float = 0.045) -> float:
+def row_cost(rows: int, knee: float = STEP_KNEE) -> float:
     """The marginal cost of one more row in a step of `rows` rows, in tokens: what a row's
-    acceptance must beat to pay, a line through the measured curve of the step that runs it
-    (`base`: TORCH_STEP_BASE or FUSED_STEP_BASE); capped at 0.95 so that a full step still
+    acceptance must beat to pay (see STEP_KNEE); capped at 0.95 so that a full step still
     verifies sure drafts."""
-    return min(0.95, base + per_row * max(0, rows - 1))
+    return min(0.95, rows / (rows + knee))
 
 
-def verify_len(draft: Draft, rows: int, base: float = TORCH_STEP_BASE) -> int:
+def verify_len(draft: Draft, rows: int) -> int:
     """How many leading draft tokens to verify in a step that already has `rows` rows: draft
     token i (its row the step's rows + i) is verified while the cumulative confidence of
     tokens 0..i is at least `row_cost` of the rows before it."""
     p = 1.0
     for i, c in enumerate(draft.confidence):
         p *= c
-        if p < row_cost(rows + i, base):
+        if p < row_cost(rows + i):
             return i
     return len(draft.token_ids)
 
@@ -109,12 +111,8 @@ class Speculator:
     verified chunk's samples into one output. `drafts`: drafts verified so far; `drafted` /
     `accepted`: their tokens, and those accepted; `per_position[i]`: accepted at position i."""
 
-    def __init__(
-        self, kv: KVCacheManager, max_draft: int, max_model_len: int, kind: str = "ngram", fused: bool = False
-    ) -> None:
-        """fused: the engine's decode steps run fused (engine/native.py), whose rows cost less."""
+    def __init__(self, kv: KVCacheManager, max_draft: int, max_model_len: int, kind: str = "ngram") -> None:
         self.kv = kv
-        self.base_cost = FUSED_STEP_BASE if fused else TORCH_STEP_BASE
         self.max_draft = max_draft
         self.max_model_len = max_model_len
         self.tree = OutputTree(max_draft=max_draft) if kind == "suffix" else None
@@ -149,14 +147,14 @@ class Speculator:
             if seen is not None and seen[0] < req.num_tokens:  # what came where the draft was not verified
                 self._trust[rid] = updated_trust(self._trust.get(rid, 1.0), seen[2], req.token_ids[seen[0]] == seen[1])
             req.draft = ()
-            if row_cost(rows, self.base_cost) >= DRAFT_BELOW_COST:
+            if row_cost(rows) >= DRAFT_BELOW_COST:
                 continue
             # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             draft = d.propose()
             if not draft.token_ids:
                 continue
-            k = verify_len(trusted(draft, self._trust.get(rid, 1.0)), rows, self.base_cost)
+            k = verify_len(trusted(draft, self._trust.get(rid, 1.0)), rows)
             req.draft = draft.token_ids[: max(0, min(room, k))]
             if req.draft:
                 self._first_conf[rid] = draft.confidence[0]
@@ -231,9 +229,9 @@ class Speculator:
                 "spec_decode_num_accepted_tokens_per_pos": list(self.per_position)}  # fmt: skip
 
 
-def speculator_for(config: EngineConfig, kv: KVCacheManager, max_model_len: int, fused: bool) -> Speculator | None:
+def speculator_for(config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> Speculator | None:
     """An engine's speculator as `config` asks for it: none when speculation is off or the engine
-    prefills only (it never decodes). fused: as Speculator."""
+    prefills only (it never decodes)."""
     if not config.speculative or config.role == "prefill":
         return None
-    return Speculator(kv, config.num_speculative_tokens, max_model_len, config.speculative, fused=fused)
+    return Speculator(kv, config.num_speculative_tokens, max_model_len, config.speculative)

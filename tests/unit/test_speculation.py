@@ -19,9 +19,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.speculation import (
-    FUSED_STEP_BASE,
     MAX_TRUST,
-    TORCH_STEP_BASE,
     Speculator,
     accepted,
     row_cost,
@@ -201,29 +199,19 @@ def test_reset_forgets_the_requests_that_finished_since_the_last_draft(tiny_mode
 
 
 def test_verify_len_keeps_the_confident_prefix_and_less_under_load() -> None:
-    draft = Draft((1, 2, 3, 4), (0.9, 0.8, 0.5, 0.9))  # cumulative: 0.9, 0.72, 0.36, 0.324
-    # token i's row costs row_cost(rows + i) = 0.2 + 0.045 * (rows + i - 1)
-    assert verify_len(draft, rows=1) == 3  # 0.2, 0.245, 0.29 pass; 0.324 < 0.335
-    assert verify_len(draft, rows=2) == 3  # 0.245, 0.29, 0.335 pass; 0.324 < 0.38
-    assert verify_len(draft, rows=5) == 2  # 0.38, 0.425 pass; 0.36 < 0.47
-    assert verify_len(draft, rows=11) == 2  # 0.65, 0.695 pass; 0.36 < 0.74
-    assert verify_len(draft, rows=16) == 1  # 0.875 passes; 0.72 < 0.92
-    assert verify_len(draft, rows=40) == 0  # capped at 0.95
+    # a row costs rows / (rows + 5) of a token: half a token at 5 rows, 0.95 at most
+    assert row_cost(1) == pytest.approx(1 / 6) and row_cost(5) == 0.5 and row_cost(1000) == 0.95
+    draft = Draft((1, 2, 3, 4), (0.95, 0.9, 0.8, 0.5))  # cumulative: 0.95, 0.855, 0.684, 0.342
+    # token i's row costs row_cost(rows + i)
+    assert verify_len(draft, rows=1) == 3  # 0.167, 0.286, 0.375 pass; 0.342 < 0.444
+    assert verify_len(draft, rows=6) == 3  # 0.545, 0.583, 0.615 pass; 0.342 < 0.643
+    assert verify_len(draft, rows=9) == 2  # 0.643, 0.667 pass; 0.684 < 0.6875
+    assert verify_len(draft, rows=30) == 1  # 0.857 passes; 0.855 < 0.861
+    assert verify_len(draft, rows=200) == 1  # capped at 0.95: a sure first token still goes
     assert verify_len(Draft((), ()), rows=1) == 0
-    assert row_cost(1) == pytest.approx(0.2) and row_cost(17) == pytest.approx(0.92) and row_cost(100) == 0.95
-    # the fused decode step's first rows cost less (0.11 + 0.045 * (rows - 1)): all 4 at 1 row
-    assert verify_len(draft, rows=1, base=FUSED_STEP_BASE) == 4  # 0.11, 0.155, 0.2, 0.245 pass
-    assert verify_len(draft, rows=3, base=FUSED_STEP_BASE) == 3  # 0.2, 0.245, 0.29 pass; 0.324 < 0.335
-    assert verify_len(draft, rows=16, base=FUSED_STEP_BASE) == 1  # 0.785 passes; 0.72 < 0.83
 
 
-def test_the_engine_prices_rows_by_the_step_it_runs(tiny_model: LlamaModel) -> None:
-    fused = make_engine(tiny_model, num_blocks=16, speculative="ngram").speculator
-    assert fused is not None and fused.base_cost == (FUSED_STEP_BASE if tiny_model.native else TORCH_STEP_BASE)
-    assert Speculator(KVCacheManager(16, 4), max_draft=4, max_model_len=64).base_cost == TORCH_STEP_BASE
-
-
-@pytest.mark.parametrize(("running", "granted"), [(4, [4, 2, 2, 0]), (8, [2, 2, 0, 0, 0, 0, 0, 0])])
+@pytest.mark.parametrize(("running", "granted"), [(4, [3, 2, 2, 0]), (8, [2, 0, 0, 0, 0, 0, 0, 0])])
 def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, granted: list[int]) -> None:
     spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
     reqs = []
@@ -233,10 +221,10 @@ def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, g
         reqs.append(r)
     spec.draft(reqs)
     # each proposes [8, 5, 6, 7], a 4-token match: 0.8 for the first token, 0.85 for each next
-    # (cumulative 0.8, 0.68, 0.578, 0.491), against row costs 0.2 + 0.045 x (rows - 1) that grow
-    # with each grant. 4 running: r0 passes 0.335 .. 0.47 (all 4), r1 0.515, 0.56 (not 0.605), r2
-    # 0.605, 0.65 (not 0.695); at 12 rows a row costs 0.695 >= DRAFT_BELOW_COST: r3 does not look.
-    # 8 running: r0 0.515, 0.56, r1 0.605, 0.65, then no one looks.
+    # (cumulative 0.8, 0.68, 0.578, 0.491), against row costs rows / (rows + 5) that grow with
+    # each grant. 4 running: r0 passes 0.444, 0.5, 0.545 (not 0.583), r1 0.583, 0.615 (not
+    # 0.643), r2 0.643, 0.667 (not 0.6875); at 11 rows a row costs 0.6875 >= DRAFT_BELOW_COST: r3
+    # does not look. 8 running: r0 0.615, 0.643 (not 0.667), then at 10 rows no one looks.
     assert [len(r.draft) for r in reqs] == granted
     assert reqs[0].draft == (8, 5, 6, 7)[: granted[0]]
 
@@ -256,18 +244,18 @@ def test_a_draft_not_verified_is_scored_against_the_token_that_came(came: int, t
     for a while drafts again when its text turns copyable (scored only on verified drafts, a
     request under a row's cost never moved again)."""
     spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
-    busy = [Request(f"p{i}", [1] * 8, SamplingParams(max_tokens=8), arrival_seq=i) for i in range(7)]  # prefilling
-    req = Request("r", [1, 2, 3, 9, 1, 2, 5, 1, 2], SamplingParams(max_tokens=50), arrival_seq=7)
+    busy = [Request(f"p{i}", [1] * 8, SamplingParams(max_tokens=8), arrival_seq=i) for i in range(5)]  # prefilling
+    req = Request("r", [1, 2, 3, 9, 1, 2, 5, 1, 2], SamplingParams(max_tokens=50), arrival_seq=5)
     req.num_computed_tokens = req.num_tokens - 1
     spec.draft([*busy, req])
-    # a 2-token match ([1, 2] -> 5, 1, 2) at 0.5 against a row of 0.515 (8 rows): not verified
+    # a 2-token match ([1, 2] -> 5, 1, 2) at 0.5 against a row of 0.545 (6 rows): not verified
     assert req.draft == ()
     req.token_ids.append(came)
     req.num_computed_tokens += 1
     spec.draft([*busy, req])
     # 5 came: trust 0.7 + 0.3 x 1 / 0.5 = 1.3; [1, 2, 5] -> 1, 2, 5 at 0.55 x 1.3 = 0.715, then
-    # 0.608, 0.517: 2 tokens pass 0.515, 0.56. 3 came: trust 0.7; [1, 2, 3] -> 9, 1, 2, 5 at
-    # 0.55 x 0.7 = 0.385 < 0.515 (at trust 1 its first token would pass).
+    # 0.608, 0.517: 2 tokens pass 0.545, 0.583 (not 0.615). 3 came: trust 0.7; [1, 2, 3] -> 9, 1,
+    # 2, 5 at 0.55 x 0.7 = 0.385 < 0.545 (at trust 1 its first token would pass).
     assert req.draft == then
 
 
