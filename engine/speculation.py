@@ -52,8 +52,9 @@ MAX_TRUST = 2.0
 # record (README, "Speculative decoding"): the fused step 5.2 (a Zen 5: 3.35 ms at 1 row, 11.65
 # at 17), 3.8 (the same CPU, an earlier build), 5.6 (a Zen 4), 7.4 (an AVX-512 Xeon); the torch
 # ops 5.6 (22.4 ms at 1 row, 78.3 at 17). Until a later session this was a line, 0.11 + 0.045 a
-# row (0.2 + for the torch ops), under the measured cost from 3 rows on (0.43 against 0.3-0.5 at
-# 8 rows on that Zen 5): open chat at 8 streams verified drafts that cost it 10% of its tok/s.
+# row (0.2 + for the torch ops), under the measured cost from 3 rows on (0.43 at 8 rows, where
+# that Zen 5's steps say 0.5-0.75): 4 streams of summarize ran at 0.90-0.97x of speculation off
+# with it, 1.05-1.09x with this.
 STEP_KNEE = 5.0
 # No request looks for a draft in a step whose next row would cost this many tokens or more:
 # there even a sure first token barely pays, and a look costs 13-19 us a request (a 16-row
