@@ -136,8 +136,8 @@ class Speculator:
         for rid in [rid for rid, r in self._requests.items() if id(r) not in live]:
             self._forget(rid)
         for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculate:
-                continue
+            if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculate or not req.num_output_tokens:
+                continue  # not decoding: a prompt's last token is prefilled (ScheduledChunk.is_decode)
             d = self._drafters.get(req.request_id)
             if d is None:
                 d = self._drafters[req.request_id] = self._new_drafter()

@@ -144,3 +144,26 @@ def test_quantized_speculation_with_arrivals_gives_the_tokens_of_none(model_path
         results[name] = tokens
     assert results["on"] == results["off"]
     assert on.speculator is not None and on.speculator.accepted > 0
+
+
+@pytest.mark.parametrize("length", [97, 113])
+def test_int8_prompt_cached_but_its_last_token_gives_the_cold_tokens_and_logprobs(model_path: str, length: int) -> None:
+    """int8 (`auto` on VNNI CPUs) with its int8 prefill attention: a prompt whose prefix cache
+    holds every token but the last gives, bit for bit, what it gave cold. Its last token is then
+    prefilled alone, and ran as a decode row (another attention kernel) until a later session:
+    greedy answers of `tandem bench spec`'s agentic prompts changed from their first token."""
+    from engine.native import ops
+
+    native = ops()
+    if native is None or not native.linear_i8_fast or not native.prefill_attention_i8_fast:
+        pytest.skip("no per-row int8 kernels (AVX512-VNNI): rows of a prefill depend on their chunk")
+    e = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256, block_size=16))
+    assert e.tokenizer is not None
+    text = e.tokenizer.apply_chat_template([{"role": "user", "content": " ".join(QUESTIONS * 4)}])
+    prompt = e.tokenizer.encode(text)[:length]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    cold, warm = e.generate([prompt], params)[0], e.generate([prompt], params)[0]
+    assert warm.num_cached_tokens == length - 1
+    assert warm.token_ids == cold.token_ids
+    assert [x.logprob for x in warm.logprobs] == [x.logprob for x in cold.logprobs]
+    e.check_integrity()

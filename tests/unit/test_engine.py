@@ -9,7 +9,9 @@ import pytest
 from engine.engine import Engine
 from engine.model import LlamaModel
 from engine.outputs import RequestOutput
+from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk
 from tests.unit.tiny import make_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -118,6 +120,26 @@ def test_fully_cached_prompt_recomputes_last_token(tiny_model: LlamaModel) -> No
     a = e.generate([p], GREEDY)[0]
     b = e.generate([p], GREEDY)[0]
     assert b.num_cached_tokens == 12 and a.token_ids == b.token_ids
+    assert_all_free(e)
+
+
+def test_a_prompts_last_token_alone_is_a_prefill_chunk() -> None:
+    """Prefilled as it is when the prompt runs whole, not as a decode row (another attention
+    kernel), so a prefix-cache hit of all but the last token leaves the first token as it was."""
+    r = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4), arrival_seq=0)
+    assert not ScheduledChunk(r, 4, 1).is_decode  # the rest of the prompt cached
+    r.token_ids.append(9)
+    assert ScheduledChunk(r, 5, 1).is_decode and not ScheduledChunk(r, 4, 2).is_decode
+    assert ScheduledChunk(r, 5, 3, draft=(7, 8)).is_decode
+
+
+def test_a_prompt_cached_but_its_last_token_gives_the_tokens_of_a_cold_one(tiny_model: LlamaModel) -> None:
+    p = list(range(10, 23))  # 13 tokens: 3 blocks of 4 cached, the last token alone
+    e = make_engine(tiny_model, num_blocks=64)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    a, b = e.generate([p], params)[0], e.generate([p], params)[0]
+    assert b.num_cached_tokens == 12 and a.token_ids == b.token_ids
+    assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-5)
     assert_all_free(e)
 
 

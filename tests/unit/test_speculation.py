@@ -216,8 +216,9 @@ def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, g
     spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
     reqs = []
     for i in range(running):
-        r = Request(f"r{i}", [5, 6, 7, 8] * 3 + [5, 6, 7], SamplingParams(max_tokens=50), arrival_seq=i)
-        r.num_computed_tokens = r.num_tokens - 1  # decoding
+        r = Request(f"r{i}", [5, 6, 7, 8] * 3 + [5, 6], SamplingParams(max_tokens=50), arrival_seq=i)
+        r.token_ids.append(7)  # its first output token: decoding
+        r.num_computed_tokens = r.num_tokens - 1
         reqs.append(r)
     spec.draft(reqs)
     # each proposes [8, 5, 6, 7], a 4-token match: 0.8 for the first token, 0.85 for each next
@@ -227,6 +228,16 @@ def test_drafts_granted_earlier_in_a_step_make_later_ones_dearer(running: int, g
     # does not look. 8 running: r0 0.615, 0.643 (not 0.667), then at 10 rows no one looks.
     assert [len(r.draft) for r in reqs] == granted
     assert reqs[0].draft == (8, 5, 6, 7)[: granted[0]]
+
+
+def test_a_request_whose_prompts_last_token_is_left_drafts_nothing() -> None:
+    """Its last prompt token is prefilled (ScheduledChunk.is_decode), as it is when the prompt
+    runs whole, so its first output token does not depend on a prefix-cache hit."""
+    spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
+    r = Request("r", [5, 6, 7, 8] * 3 + [5, 6, 7], SamplingParams(max_tokens=50), arrival_seq=0)
+    r.num_computed_tokens = r.num_tokens - 1  # the rest in the prefix cache
+    spec.draft([r])
+    assert r.draft == ()
 
 
 def test_trust_scales_the_first_token_by_how_the_drafter_fared() -> None:
@@ -245,7 +256,8 @@ def test_a_draft_not_verified_is_scored_against_the_token_that_came(came: int, t
     request under a row's cost never moved again)."""
     spec = Speculator(KVCacheManager(64, 4), max_draft=4, max_model_len=256)
     busy = [Request(f"p{i}", [1] * 8, SamplingParams(max_tokens=8), arrival_seq=i) for i in range(5)]  # prefilling
-    req = Request("r", [1, 2, 3, 9, 1, 2, 5, 1, 2], SamplingParams(max_tokens=50), arrival_seq=5)
+    req = Request("r", [1, 2, 3, 9, 1, 2, 5, 1], SamplingParams(max_tokens=50), arrival_seq=5)
+    req.token_ids.append(2)  # its first output token: decoding
     req.num_computed_tokens = req.num_tokens - 1
     spec.draft([*busy, req])
     # a 2-token match ([1, 2] -> 5, 1, 2) at 0.5 against a row of 0.545 (6 rows): not verified
