@@ -34,7 +34,7 @@ one's rows dearer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
@@ -107,6 +107,19 @@ def accepted(draft: Sequence[int], sampled: Sequence[int]) -> int:
 AppendToken = Callable[[Request, int, "TokenLogprob | None"], RequestOutput]
 
 
+@dataclass
+class _Tracked:
+    """One decoding request's speculation."""
+
+    request: Request
+    drafter: PromptLookup | SuffixDrafter
+    trust: float = 1.0  # updated_trust's
+    # its last draft not verified: (the index its first token would have had, that token, the
+    # drafter's confidence in it), scored at the next draft against the token that came there
+    unverified: tuple[int, int, float] | None = None
+    first_confidence: float = 1.0  # the drafter's, in the first token of the draft being verified
+
+
 class Speculator:
     """An engine's speculation: drafts for its running requests before each step, and turns a
     verified chunk's samples into one output. `drafts`: drafts verified so far; `drafted` /
@@ -117,50 +130,41 @@ class Speculator:
         self.max_draft = max_draft
         self.max_model_len = max_model_len
         self.tree = OutputTree(max_draft=max_draft) if kind == "suffix" else None
-        self._drafters: dict[str, PromptLookup | SuffixDrafter] = {}
-        self._requests: dict[str, Request] = {}
-        self._trust: dict[str, float] = {}  # each request's (updated_trust)
-        # each request's last draft not verified: (the index its first token would have had,
-        # that token, the drafter's confidence in it), scored at the next draft
-        self._unverified: dict[str, tuple[int, int, float]] = {}
-        self._first_conf: dict[str, float] = {}  # the drafter's confidence in the draft being verified
+        self._tracked: dict[str, _Tracked] = {}
         self.drafts = 0
         self.drafted = 0
         self.accepted = 0
         self.per_position = [0] * max_draft
 
     def draft(self, running: Sequence[Request]) -> None:
-        """Set `draft` on each running request that is decoding (one token without KV)."""
+        """Set `draft` on each running request that is decoding (one output token without KV)."""
         live = {id(r) for r in running}  # the objects: an id may come back as a new request
         rows = len(running)  # a row each, before drafts
-        for rid in [rid for rid, r in self._requests.items() if id(r) not in live]:
+        for rid in [rid for rid, t in self._tracked.items() if id(t.request) not in live]:
             self._forget(rid)
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculate or not req.num_output_tokens:
                 continue  # not decoding: a prompt's last token is prefilled (ScheduledChunk.is_decode)
-            d = self._drafters.get(req.request_id)
-            if d is None:
-                d = self._drafters[req.request_id] = self._new_drafter()
-                self._requests[req.request_id] = req
-            d.update(req.token_ids)
-            rid = req.request_id
-            seen = self._unverified.pop(rid, None)
-            if seen is not None and seen[0] < req.num_tokens:  # what came where the draft was not verified
-                self._trust[rid] = updated_trust(self._trust.get(rid, 1.0), seen[2], req.token_ids[seen[0]] == seen[1])
-            req.draft = ()
+            t = self._tracked.get(req.request_id)
+            if t is None:
+                t = self._tracked[req.request_id] = _Tracked(req, self._new_drafter())
+            t.drafter.update(req.token_ids)
+            if t.unverified is not None and t.unverified[0] < req.num_tokens:
+                at, token, confidence = t.unverified
+                t.trust = updated_trust(t.trust, confidence, req.token_ids[at] == token)
+            t.unverified, req.draft = None, ()
             if row_cost(rows) >= DRAFT_BELOW_COST:
                 continue
             # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
             room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            draft = d.propose()
+            draft = t.drafter.propose()
             if not draft.token_ids:
                 continue
-            k = verify_len(trusted(draft, self._trust.get(rid, 1.0)), rows)
-            req.draft = draft.token_ids[: max(0, min(room, k))]
+            req.draft = draft.token_ids[: max(0, min(room, verify_len(trusted(draft, t.trust), rows)))]
             if req.draft:
-                self._first_conf[rid] = draft.confidence[0]
+                t.first_confidence = draft.confidence[0]
             else:
-                self._unverified[rid] = (req.num_tokens, draft.token_ids[0], draft.confidence[0])
+                t.unverified = (req.num_tokens, draft.token_ids[0], draft.confidence[0])
             rows += len(req.draft)
 
     def reset(self) -> None:
@@ -168,21 +172,13 @@ class Speculator:
         drafts anything after (a benchmark's round). A finished request joins the tree only at
         the next `draft`, so clearing the tree alone would let the last ones in. Call it with
         nothing running."""
-        self._drafters.clear()
-        self._requests.clear()
-        self._trust.clear()
-        self._unverified.clear()
-        self._first_conf.clear()
+        self._tracked.clear()
         if self.tree is not None:
             self.tree.clear()
 
     def _forget(self, request_id: str) -> None:
         """A request left the running set: finished (its answer joins the tree) or preempted."""
-        del self._drafters[request_id]
-        self._trust.pop(request_id, None)
-        self._unverified.pop(request_id, None)
-        self._first_conf.pop(request_id, None)
-        done = self._requests.pop(request_id)
+        done = self._tracked.pop(request_id).request
         if self.tree is not None and done.finish_reason in ("stop", "length"):
             self.tree.add(done.prompt_token_ids, done.output_token_ids)
 
@@ -199,8 +195,9 @@ class Speculator:
         self.drafted += len(c.draft)
         req.num_draft_tokens += len(c.draft)
         req.num_accepted_tokens += n
-        rid = req.request_id
-        self._trust[rid] = updated_trust(self._trust.get(rid, 1.0), self._first_conf.pop(rid, 1.0), n > 0)
+        t = self._tracked.get(req.request_id)
+        if t is not None:
+            t.trust = updated_trust(t.trust, t.first_confidence, n > 0)
         self.accepted += n
         for i in range(n):
             self.per_position[i] += 1
