@@ -55,6 +55,14 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def decode_from(self) -> int:
+        """The first position whose KV a decode row computes: the prompt's end, less the outputs
+        of earlier runs that it carries (`SamplingParams.output_offset`: a replay appends them to
+        its prompt). Every position from here on runs as decode rows, whatever the step, so the
+        KV of a replayed or recomputed answer is bit for bit the KV its decode steps wrote."""
+        return max(0, self.num_prompt_tokens - self.params.output_offset)
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 

@@ -6,7 +6,7 @@ then on waiting requests in (priority, arrival) order. The chunk cap is what let
 prompt that arrives behind a long one start at the next step instead of after all of it.
 When blocks run out, the running request that would run last is preempted: its blocks are
 freed and it goes back to waiting, to be recomputed from its tokens later (its prefix may
-still be cached).
+still be cached; its output tokens run as decode rows, as they did the first time).
 """
 
 from __future__ import annotations
@@ -35,13 +35,18 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """Whether it runs as decode rows: one output token (or a draft). A prompt's last token
-        alone (the rest in the prefix cache, or in the chunks before) is a prefill chunk of one,
-        so its logits come from the prefill path as they do when the prompt is prefilled whole:
-        run as a decode row (another attention kernel), a cache hit had changed the first output
-        token of greedy requests (a 97-token agentic prompt of `tandem bench spec`, int8: first
-        token logprob -2.35 cold, -2.60 with 96 tokens cached)."""
-        return bool(self.draft) or (self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens)
+        """Whether it runs as decode rows: output tokens (with or without a draft), never the
+        prompt's. The two paths attend with different kernels, so a position's KV and logits
+        must come from the path that computed them when the answer was first written:
+        - A prompt's last token alone (the rest in the prefix cache, or in the chunks before) is
+          a prefill chunk of one: run as a decode row, a cache hit had changed the first output
+          token of greedy requests (a 97-token agentic prompt of `tandem bench spec`, int8: first
+          token logprob -2.35 cold, -2.60 with 96 tokens cached).
+        - Output tokens recomputed at once (a request preempted, or replayed on another worker
+          with its emitted tokens in its prompt: `Request.decode_from`) are decode rows, as they
+          were when decoded one a step: as a prefill chunk, int8, 0 of 16 greedy replays had
+          kept the answer of the uninterrupted run (fp32 16 of 16)."""
+        return bool(self.draft) or self.start >= self.request.decode_from
 
     @property
     def completes(self) -> bool:
@@ -103,7 +108,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
+            n = self._chunk(req, budget)
             draft, req.draft = (req.draft if n == 1 and len(req.draft) < budget else ()), ()
             n += len(draft)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
@@ -122,7 +127,7 @@ class Scheduler:
             if not external_kv:
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.token_ids)
                 req.num_cached_tokens = req.num_computed_tokens
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_cap)
+            n = self._chunk(req, budget)
             if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 if not external_kv:
                     self.kv.free(req.request_id)  # give back prefix hits; look up again next time
@@ -141,9 +146,12 @@ class Scheduler:
             preempted=preempted,
         )
 
-    @property
-    def _chunk_cap(self) -> int:
-        return self.prefill_chunk or self.max_num_batched_tokens
+    def _chunk(self, req: Request, budget: int) -> int:
+        """How many of `req`'s uncomputed tokens run this step: to the budget and the chunk cap,
+        and a prompt's chunk stops where its decode rows start (ScheduledChunk.is_decode)."""
+        start = req.num_computed_tokens
+        end = req.decode_from if start < req.decode_from else req.num_tokens
+        return min(end - start, budget, self.prefill_chunk or self.max_num_batched_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -167,3 +167,46 @@ def test_int8_prompt_cached_but_its_last_token_gives_the_cold_tokens_and_logprob
     assert warm.token_ids == cold.token_ids
     assert [x.logprob for x in warm.logprobs] == [x.logprob for x in cold.logprobs]
     e.check_integrity()
+
+
+def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(model_path: str) -> None:
+    """int8: an answer's tokens recomputed at once, as a failover replays them (prompt + the
+    tokens sent, `output_offset`) or a preempted request recomputes them, run as the decode rows
+    that first computed them, so the rest of the answer is the uninterrupted one, bit for bit.
+    Prefilled as prompt tokens (another attention kernel), 0 of 16 greedy replays had kept it."""
+    from dataclasses import replace
+
+    from engine.native import ops
+
+    native = ops()
+    if native is None or not native.linear_i8_fast:
+        pytest.skip("no per-row int8 kernels (AVX512-VNNI): a row's result depends on its step")
+    e = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256, block_size=16))
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    assert e.tokenizer is not None
+    prompts = [e.tokenizer.encode(p) for p in chats(e)[:2]]
+    for prompt in prompts:
+        for params in (greedy, seeded):
+            whole = e.generate([prompt], params)[0]
+            for cut in (1, 7, 20):
+                rest = replace(params, max_tokens=params.max_tokens - cut, output_offset=cut)
+                replay = e.generate([prompt + whole.token_ids[:cut]], rest)[0]
+                assert whole.token_ids[:cut] + replay.token_ids == whole.token_ids, (cut, params)
+                if params.logprobs:
+                    assert [x.logprob for x in replay.logprobs] == [x.logprob for x in whole.logprobs[cut:]]
+                e.check_integrity()
+    plain = [r.token_ids for r in e.generate(prompts * 2, greedy)]
+    tight = Engine(e.model, e.tokenizer, EngineConfig(dtype="int8", num_blocks=14, block_size=16))
+    for i, p in enumerate(prompts * 2):
+        tight.add_request(f"r{i}", p, greedy)
+    got: dict[str, list[int]] = {}
+    preempted = 0
+    while tight.has_unfinished():
+        for o in tight.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        preempted = max(preempted, sum(r.num_preemptions for r in tight.scheduler.requests.values()))
+        tight.check_integrity()
+    assert preempted > 0
+    assert [got[f"r{i}"] for i in range(len(plain))] == plain
+    assert tight.kv.num_free_blocks == tight.config.num_blocks

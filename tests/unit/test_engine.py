@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -133,6 +134,26 @@ def test_a_prompts_last_token_alone_is_a_prefill_chunk() -> None:
     assert ScheduledChunk(r, 5, 3, draft=(7, 8)).is_decode
 
 
+def test_an_answers_tokens_recomputed_at_once_run_as_decode_rows(tiny_model: LlamaModel) -> None:
+    """A replay's prompt carries the tokens already sent (`output_offset`), a preempted request
+    its own outputs: those positions run as decode rows, the prompt proper as prefill chunks, so
+    every position's KV comes from the kernel that first computed it (int8: engine/scheduler.py)."""
+    e = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
+    replay = SamplingParams(max_tokens=4, temperature=0, output_offset=3)
+    e.add_request("replay", list(range(10, 20)), replay)  # 7 prompt tokens + 3 sent before
+    first = e.scheduler.schedule()
+    assert [(c.start, c.end) for c in first.prefills] == [(0, 7)] and not first.decodes
+    e.scheduler.advance(first)
+    second = e.scheduler.schedule()
+    assert [(c.start, c.end) for c in second.decodes] == [(7, 10)] and not second.prefills
+    assert second.decodes[0].completes  # its first token comes from the last decode row
+    e.scheduler.advance(second)
+    e.check_integrity()
+    r = Request("r", [1, 2, 3, 4, 5], GREEDY, arrival_seq=0, token_ids=[1, 2, 3, 4, 5, 6, 7, 8])
+    assert r.decode_from == 5 and ScheduledChunk(r, 5, 3).is_decode and not ScheduledChunk(r, 0, 5).is_decode
+    assert Request("o", [1, 2], replace(GREEDY, output_offset=5), arrival_seq=1).decode_from == 0
+
+
 def test_a_prompt_cached_but_its_last_token_gives_the_tokens_of_a_cold_one(tiny_model: LlamaModel) -> None:
     p = list(range(10, 23))  # 13 tokens: 3 blocks of 4 cached, the last token alone
     e = make_engine(tiny_model, num_blocks=64)
@@ -197,8 +218,6 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model: LlamaModel) ->
 def test_replayed_equals_uninterrupted(tiny_model: LlamaModel, cut: int) -> None:
     """Failover by replay: prompt + the first `cut` tokens as a new prompt, with output_offset=cut,
     continues exactly as the uninterrupted run, greedy and seeded."""
-    from dataclasses import replace
-
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
     for params in (GREEDY, seeded):
         whole = alone(tiny_model, [5, 6, 7, 8, 9], params)
