@@ -26,10 +26,11 @@ from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
 
 
-def run(names: list[str], quick: bool, dtype: str = "fp32") -> list[ScenarioResult]:
-    """Start 1P+2D, serve it, run the named scenarios in order; the cluster is shut down after."""
+def run(names: list[str], quick: bool, dtype: str = "auto", speculative: str = "suffix") -> list[ScenarioResult]:
+    """Start 1P+2D, serve it, run the named scenarios in order; the cluster is shut down after.
+    By default the engine `tandem serve` runs: `auto` dtype, suffix speculation."""
     engine = EngineConfig(dtype=dtype, num_blocks=512, num_threads=1, max_num_seqs=64,  # type: ignore[arg-type]
-                          max_num_batched_tokens=256)  # fmt: skip
+                          max_num_batched_tokens=256, speculative=speculative)  # fmt: skip
     config = ClusterConfig(namespace=namespace("chaos"), prefill=1, decode=2, engine=engine)
     results = []
     with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:
@@ -56,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter answers (32 tokens instead of 64)")
     ap.add_argument("--only", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(SCENARIOS)}")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                    help="as `tandem serve --dtype` (default: auto, as it)")  # fmt: skip
+    ap.add_argument("--speculative", default="suffix", choices=["off", "ngram", "suffix"],
+                    help="as `tandem serve --speculative` (default: suffix, as it)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ready_to_serve("tandem bench chaos"):
         return 2
     t0 = time.monotonic()
-    results = run(names, args.quick, args.dtype)
+    results = run(names, args.quick, args.dtype, "" if args.speculative == "off" else args.speculative)
     if args.json:
         print_json({"scenarios": [asdict(r) for r in results], "elapsed_s": time.monotonic() - t0})
         return 0
