@@ -20,22 +20,16 @@ from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_de
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.manager_link import CannotJoinError
-from engine.config import EngineConfig
-from engine.native import ops
+from tests.integration.serving import serving_engine
 
 MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def chaos() -> Iterator[Chaos]:
-    # The engine `tandem serve` runs on these CPUs: int8 (`auto` with AVX512-VNNI) and suffix
-    # speculation, where a row's result does not depend on its step, so a replayed answer is the
-    # undisturbed one to the token (fp32 elsewhere). 256-token prefill chunks: an abort waits for
-    # the engine's current step, so steps stay short.
-    native = ops()
-    dtype = "int8" if native is not None and native.linear_i8_fast else "fp32"
-    engine = EngineConfig(dtype=dtype, num_blocks=512, num_threads=1, max_num_seqs=64, max_num_batched_tokens=256,
-                          speculative="suffix")  # fmt: skip
+    # The engine `tandem serve` runs (a replayed answer must be the undisturbed one to the token
+    # there). 256-token prefill chunks: an abort waits for the engine's current step, so steps stay short.
+    engine = serving_engine(num_blocks=512, num_threads=1, max_num_seqs=64, max_num_batched_tokens=256)
     config = ClusterConfig(namespace=unique_namespace("faults"), prefill=1, decode=2, engine=engine)
     with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:
         yield Chaos(cluster, url, MAX_TOKENS)
