@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from engine.config import EngineConfig
@@ -28,6 +30,23 @@ def chats(engine: Engine) -> list[str]:
     return [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
+def run_short_of_blocks(
+    engine: Engine, prompts: Sequence[str | list[int]], params: SamplingParams
+) -> tuple[list[list[int]], int]:
+    """All prompts at once on an engine too small for them: each one's tokens, and the most
+    preemptions seen at once; check_integrity() after every step."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    preempted = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+        preempted = max(preempted, sum(r.num_preemptions for r in engine.scheduler.requests.values()))
+        engine.check_integrity()
+    return [got[f"r{i}"] for i in range(len(prompts))], preempted
+
+
 def test_chunked_prefill_prefix_cache_and_preemption(engine_fp32: Engine) -> None:
     prompts = chats(engine_fp32)
     plain = [r.token_ids for r in engine_fp32.generate(prompts, GREEDY)]
@@ -39,17 +58,9 @@ def test_chunked_prefill_prefix_cache_and_preemption(engine_fp32: Engine) -> Non
     assert all(r.num_cached_tokens > 0 for r in hits)  # the system prompt is shared
     assert [r.token_ids for r in hits] == plain
     tight = sibling(engine_fp32, num_blocks=12, block_size=16, enable_prefix_caching=False)
-    for i, p in enumerate(prompts):
-        tight.add_request(f"r{i}", p, GREEDY)
-    got: dict[str, list[int]] = {}
-    preempted = 0
-    while tight.has_unfinished():
-        for o in tight.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        preempted = max(preempted, sum(r.num_preemptions for r in tight.scheduler.requests.values()))
-        tight.check_integrity()
+    got, preempted = run_short_of_blocks(tight, prompts, GREEDY)
     assert preempted > 0
-    assert [got[f"r{i}"] for i in range(len(prompts))] == plain
+    assert got == plain
     for e in (chunked, cached, tight):
         e.check_integrity()
         assert e.kv.num_free_blocks == e.config.num_blocks
@@ -198,15 +209,7 @@ def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(
                 e.check_integrity()
     plain = [r.token_ids for r in e.generate(prompts * 2, greedy)]
     tight = Engine(e.model, e.tokenizer, EngineConfig(dtype="int8", num_blocks=14, block_size=16))
-    for i, p in enumerate(prompts * 2):
-        tight.add_request(f"r{i}", p, greedy)
-    got: dict[str, list[int]] = {}
-    preempted = 0
-    while tight.has_unfinished():
-        for o in tight.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        preempted = max(preempted, sum(r.num_preemptions for r in tight.scheduler.requests.values()))
-        tight.check_integrity()
+    got, preempted = run_short_of_blocks(tight, prompts * 2, greedy)
     assert preempted > 0
-    assert [got[f"r{i}"] for i in range(len(plain))] == plain
+    assert got == plain
     assert tight.kv.num_free_blocks == tight.config.num_blocks
