@@ -29,7 +29,7 @@ N = 6
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    engine = serving_engine(num_blocks=256, num_threads=1)  # its streams migrate by replay: exact there too
+    engine = serving_engine(num_blocks=256, num_threads=1)  # a flip drains: its streams end where they began
     c = Cluster.connect(ClusterConfig(namespace="roleflip", prefill=2, decode=1, engine=engine, transport="shm"))
     try:
         c.wait_ready(240)
