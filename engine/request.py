@@ -62,6 +62,19 @@ class Request:
         KV of a replayed or recomputed answer is bit for bit the KV its decode steps wrote."""
         return max(0, self.num_prompt_tokens - self.params.output_offset)
 
+    def run_from(self, pos: int) -> tuple[bool, int]:
+        """Whether position `pos` runs as decode rows (an answer's: from `decode_from` on, or in
+        one of `params.decoded`), and where that run ends: the next position that runs the
+        other way, or the end of the tokens."""
+        if pos >= self.decode_from:
+            return True, self.num_tokens
+        for start, end in self.params.decoded:
+            if pos < start:
+                return False, min(start, self.decode_from)
+            if pos < end:
+                return True, min(end, self.decode_from)
+        return False, self.decode_from
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)

@@ -19,6 +19,11 @@ class SamplingParams:
     output_offset: how many output tokens came before this run of the request (a request
     replayed on another worker after a failure, with its emitted tokens appended to the
     prompt); its first token draws from (seed, output_offset), as it would have uninterrupted.
+
+    decoded: spans [start, end) of prompt positions a decode wrote in an earlier turn (the
+    conversation's earlier answers, as the router finds them in the chat template): they run as
+    decode rows (engine/scheduler.py), so a turn's answer does not depend on whether the prefix
+    cache still held those answers' KV.
     """
 
     max_tokens: int = 16
@@ -34,6 +39,7 @@ class SamplingParams:
     priority: int = 0
     output_offset: int = 0
     speculate: bool = True  # False: no draft is verified for this request (engine/speculation.py)
+    decoded: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +61,10 @@ class SamplingParams:
             raise InvalidRequestError(f"output_offset must be an integer >= 0, got {self.output_offset!r}", "params")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        object.__setattr__(self, "decoded", tuple((int(a), int(b)) for a, b in self.decoded))
+        ends = [x for span in self.decoded for x in span]
+        if any(a >= b for a, b in self.decoded) or ends != sorted(ends) or (ends and ends[0] < 0):
+            raise InvalidRequestError(f"decoded: sorted, disjoint spans [start, end), not {self.decoded}", "params")
 
     @property
     def greedy(self) -> bool:

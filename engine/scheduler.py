@@ -46,7 +46,7 @@ class ScheduledChunk:
           with its emitted tokens in its prompt: `Request.decode_from`) are decode rows, as they
           were when decoded one a step: as a prefill chunk, int8, 0 of 16 greedy replays had
           kept the answer of the uninterrupted run (fp32 16 of 16)."""
-        return bool(self.draft) or self.start >= self.request.decode_from
+        return bool(self.draft) or self.request.run_from(self.start)[0]
 
     @property
     def completes(self) -> bool:
@@ -150,8 +150,7 @@ class Scheduler:
         """How many of `req`'s uncomputed tokens run this step: to the budget and the chunk cap,
         and a prompt's chunk stops where its decode rows start (ScheduledChunk.is_decode)."""
         start = req.num_computed_tokens
-        end = req.decode_from if start < req.decode_from else req.num_tokens
-        return min(end - start, budget, self.prefill_chunk or self.max_num_batched_tokens)
+        return min(req.run_from(start)[1] - start, budget, self.prefill_chunk or self.max_num_batched_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

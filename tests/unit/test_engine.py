@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.model import LlamaModel
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -152,6 +153,33 @@ def test_an_answers_tokens_recomputed_at_once_run_as_decode_rows(tiny_model: Lla
     r = Request("r", [1, 2, 3, 4, 5], GREEDY, arrival_seq=0, token_ids=[1, 2, 3, 4, 5, 6, 7, 8])
     assert r.decode_from == 5 and ScheduledChunk(r, 5, 3).is_decode and not ScheduledChunk(r, 0, 5).is_decode
     assert Request("o", [1, 2], replace(GREEDY, output_offset=5), arrival_seq=1).decode_from == 0
+
+
+def test_an_earlier_answers_span_runs_as_decode_rows(tiny_model: LlamaModel) -> None:
+    """SamplingParams.decoded: a chat's earlier answer inside the prompt runs as decode rows,
+    between prefill chunks of the rest, and the answer is the one a plain run gives (fp32)."""
+    e = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
+    prompt = list(range(10, 30))
+    params = replace(GREEDY, decoded=((5, 9), (12, 15)))
+    r = Request("r", prompt, params, arrival_seq=0)
+    assert [r.run_from(p) for p in (0, 5, 9, 12, 15, 19)] == [
+        (False, 5), (True, 9), (False, 12), (True, 15), (False, 20), (False, 20)]  # fmt: skip
+    e.add_request("turn", prompt, params)
+    kinds = []
+    while e.has_unfinished():
+        out = e.scheduler.schedule()
+        kinds += [(c.is_decode, c.start, c.end) for c in out.chunks]
+        e.scheduler.advance(out)
+        if out.chunks[0].completes:
+            break
+    assert kinds == [(False, 0, 5), (True, 5, 9), (False, 9, 12), (True, 12, 15), (False, 15, 20)]
+    e.abort("turn")
+    e.check_integrity()
+    assert alone(tiny_model, prompt, params) == alone(tiny_model, prompt)  # fp32: the rows agree
+    with pytest.raises(InvalidRequestError, match="decoded"):
+        SamplingParams(decoded=((5, 9), (8, 12)))
+    with pytest.raises(InvalidRequestError, match="decoded"):
+        SamplingParams(decoded=((9, 5),))
 
 
 def test_a_prompt_cached_but_its_last_token_gives_the_tokens_of_a_cold_one(tiny_model: LlamaModel) -> None:
