@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -151,6 +152,26 @@ class Tokenizer:
         """Token ids of `text`; special-token text such as `<|im_start|>` maps to its single id."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
         return ids
+
+    def encode_marking(self, text: str, pieces: Sequence[str]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """`encode(text)`, and for each of `pieces` found in `text` in order (each after the one
+        before), the span [start, end) of the tokens that lie wholly inside it; a piece not found,
+        or with no whole token in it, marks nothing."""
+        enc = self._backend.encode(text, add_special_tokens=True)
+        starts = [s for s, _ in enc.offsets]
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for piece in pieces:
+            i = text.find(piece, at) if piece else -1
+            if i < 0:
+                continue
+            at = i + len(piece)
+            first = k = bisect.bisect_left(starts, i)
+            while k < len(starts) and enc.offsets[k][1] <= at:
+                k += 1
+            if k > first:
+                spans.append((first, k))
+        return list(enc.ids), tuple(spans)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form whole UTF-8 characters come out as U+FFFD."""

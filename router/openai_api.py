@@ -16,7 +16,7 @@ from engine.spans import TraceContext
 from router.auth import api_key_check
 from router.dispatch import Dispatcher, Run, Trace
 from router.errors import APIError, as_api_error
-from router.requests import ChatCompletionRequest, CompletionRequest
+from router.requests import ChatCompletionRequest, CompletionRequest, PromptTokens
 from router.responses import Shape, sse, usage
 
 CLIENT_GONE = 499  # nginx's "client closed request", for the log line and metrics
@@ -67,12 +67,12 @@ def build(d: Dispatcher) -> APIRouter:
     @api.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         body = body.model_copy(update={"priority": d.settings.clamp_priority(body.priority)})
-        return await _serve(d, request, body, "chat", lambda: body.prompt_ids(model), body.max_new, body.logprobs_n)
+        return await _serve(d, request, body, "chat", lambda: body.prompt_tokens(model), body.max_new, body.logprobs_n)
 
     @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body = body.model_copy(update={"priority": d.settings.clamp_priority(body.priority)})
-        return await _serve(d, request, body, "completion", lambda: body.prompt_ids(model), body.max_tokens,
+        return await _serve(d, request, body, "completion", lambda: body.prompt_tokens(model), body.max_tokens,
                             body.logprobs)  # fmt: skip
 
     return api
@@ -83,7 +83,7 @@ async def _serve(
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
     kind: str,
-    prompt: Callable[[], list[int]],
+    prompt: Callable[[], PromptTokens],
     max_tokens: int | None,
     logprobs: int | None,
 ) -> Response:
@@ -99,10 +99,10 @@ async def _serve(
         body.check_supported()
         # a short prompt tokenizes in tens of microseconds: less than a hop to a thread and back
         inline = body.prompt_chars <= INLINE_TOKENIZE_CHARS
-        prompt_ids = prompt() if inline else await asyncio.to_thread(prompt)
-        trace.prompt_tokens = len(prompt_ids)
-        params = body.sampling(len(prompt_ids), model, d.settings.default_max_tokens, max_tokens, logprobs)
-        start = d.start(prompt_ids, params, trace)
+        tokens = prompt() if inline else await asyncio.to_thread(prompt)
+        trace.prompt_tokens = len(tokens.ids)
+        params = body.sampling(tokens, model, d.settings.default_max_tokens, max_tokens, logprobs)
+        start = d.start(tokens.ids, params, trace)
     except Exception as e:
         return _failed(d, trace, e)
     if not body.stream:

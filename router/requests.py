@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jinja2
@@ -70,10 +72,11 @@ class _Common(_Body):
             raise APIError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
 
     def sampling(
-        self, prompt_len: int, model: ModelInfo, default_max: int, max_tokens: int | None, logprobs: int | None
+        self, prompt: PromptTokens, model: ModelInfo, default_max: int, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
-        """SamplingParams for a prompt of `prompt_len` tokens. Raises PromptTooLongError (413),
-        InvalidRequestError (400) for what does not fit the context or the engine refuses."""
+        """SamplingParams for `prompt`. Raises PromptTooLongError (413), InvalidRequestError (400)
+        for what does not fit the context or the engine refuses."""
+        prompt_len = len(prompt.ids)
         limit = model.max_model_len
         if prompt_len >= limit:
             raise PromptTooLongError(
@@ -97,6 +100,7 @@ class _Common(_Body):
             logprobs=logprobs,
             priority=self.priority,
             speculate=self.speculate,
+            decoded=prompt.decoded,
         )
 
 
@@ -134,9 +138,10 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-    def prompt_ids(self, model: ModelInfo) -> list[int]:
-        """The messages through the model's chat template, then the tokenizer. Raises
-        InvalidRequestError (400) for whatever the template or the tokenizer refuses."""
+    def prompt_tokens(self, model: ModelInfo) -> PromptTokens:
+        """The messages through the model's chat template, then the tokenizer, with the spans of
+        the earlier answers (SamplingParams.decoded). Raises InvalidRequestError (400) for
+        whatever the template or the tokenizer refuses."""
         messages = [m.as_template_input() for m in self.messages]
         try:
             text = model.tokenizer.apply_chat_template(messages)
@@ -149,7 +154,7 @@ class ChatCompletionRequest(_Common):
         except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
             log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
             raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
-        return _encode(model, text, "messages")
+        return _encode(model, text, "messages", [m["content"] for m in messages if m["role"] == "assistant"])
 
     @property
     def prompt_chars(self) -> int:
@@ -188,14 +193,14 @@ class CompletionRequest(_Common):
         p = self.prompt
         return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
-    def prompt_ids(self, model: ModelInfo) -> list[int]:
+    def prompt_tokens(self, model: ModelInfo) -> PromptTokens:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             if len(p) != 1:
                 raise APIError(400, "one prompt per request (send a string, or a list with one string)", param="prompt")
             p = str(p[0])
         if isinstance(p, str):
-            ids = _encode(model, p, "prompt")
+            ids = _encode(model, p, "prompt").ids
         else:
             ids = [int(t) for t in p]
             vocab = model.tokenizer.vocab_size
@@ -203,16 +208,26 @@ class CompletionRequest(_Common):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return ids
+        return PromptTokens(ids)
 
 
-def _encode(model: ModelInfo, text: str, param: str) -> list[int]:
+@dataclass(frozen=True)
+class PromptTokens:
+    """A request's prompt as token ids, and the spans of its earlier answers (chat only)."""
+
+    ids: list[int]
+    decoded: tuple[tuple[int, int], ...] = ()  # SamplingParams.decoded
+
+
+def _encode(model: ModelInfo, text: str, param: str, answers: Sequence[str] = ()) -> PromptTokens:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequestError(f"{param} holds text that is not valid Unicode (a lone surrogate)", param) from None
     try:
-        return model.tokenizer.encode(text)
+        if not answers:
+            return PromptTokens(model.tokenizer.encode(text))
+        return PromptTokens(*model.tokenizer.encode_marking(text, answers))
     except Exception as e:
         log.warning("request %s: the tokenizer failed", REQUEST_ID.get(), exc_info=e)
         raise InvalidRequestError(f"the tokenizer could not encode {param}", param) from e

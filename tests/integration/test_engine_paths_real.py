@@ -213,3 +213,35 @@ def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(
     assert preempted > 0
     assert got == plain
     assert tight.kv.num_free_blocks == tight.config.num_blocks
+
+
+def test_int8_a_second_turn_answers_alike_with_the_first_cached_or_not(model_path: str) -> None:
+    """int8: a second turn whose prompt holds the first answer, marked as the router marks it
+    (`Tokenizer.encode_marking`, SamplingParams.decoded), gives the same tokens and logprobs
+    whether the cache still holds the first turn's KV (as decode rows wrote it) or not. Unmarked,
+    that answer was prefilled cold: 2 of 6 such chats had kept the cached run's answer."""
+    from dataclasses import replace
+
+    from engine.native import ops
+
+    native = ops()
+    if native is None or not native.linear_i8_fast:
+        pytest.skip("no per-row int8 kernels (AVX512-VNNI): a row's result depends on its step")
+    warm = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256, block_size=16))
+    cold = Engine(warm.model, warm.tokenizer, EngineConfig(dtype="int8", num_blocks=256, enable_prefix_caching=False))
+    tok = warm.tokenizer
+    assert tok is not None
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    for question in QUESTIONS[:3]:
+        first = [{"role": "user", "content": question}]
+        answer = warm.generate([tok.apply_chat_template(first)], params)[0].text
+        chat = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Say it shorter."}]
+        ids, spans = tok.encode_marking(tok.apply_chat_template(chat), [answer])
+        assert len(spans) == 1 and tok.decode(ids[spans[0][0] : spans[0][1]]) == answer
+        second = replace(params, decoded=spans)
+        hit, miss = warm.generate([ids], second)[0], cold.generate([ids], second)[0]
+        assert hit.num_cached_tokens > spans[0][0] and miss.num_cached_tokens == 0
+        assert hit.token_ids == miss.token_ids
+        assert [x.logprob for x in hit.logprobs] == [x.logprob for x in miss.logprobs]
+        warm.check_integrity()
+        cold.check_integrity()

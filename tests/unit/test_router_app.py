@@ -219,3 +219,20 @@ def test_one_json_log_line_per_request(backend: FakeBackend, caplog: pytest.LogC
     lines = [json.loads(r.message) for r in caplog.records if r.name == "tandem.router.requests"]
     assert [(x["request_id"], x["status"]) for x in lines] == [("log-1", 200), ("log-2", 400)]
     assert lines[0]["user"] == "u1" and lines[0]["completion_tokens"] == 2 and lines[0]["timing"]["prefill_worker"]
+
+
+def test_a_chats_earlier_answers_reach_the_engine_as_decoded_spans(backend: FakeBackend) -> None:
+    """Each assistant message's tokens, found in the templated prompt: the engine runs them as
+    decode rows (SamplingParams.decoded), so a turn's answer does not depend on the cache."""
+    answers = ["Paris is the capital of France.", "About 2.1 million people live there."]
+    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": "How many live there?"}, {"role": "assistant", "content": answers[1]},
+                {"role": "user", "content": "Thanks!"}]  # fmt: skip
+    c = client(backend)
+    assert c.post(CHAT, json={"model": "fake-model", "messages": messages, "max_tokens": 2}).status_code == 200
+    tok = backend.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages))
+    spans = backend.params[-1].decoded
+    assert [tok.decode(ids[a:b]) for a, b in spans] == answers
+    assert c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2}).status_code == 200
+    assert backend.params[-1].decoded == ()  # no earlier answer
