@@ -67,7 +67,15 @@ def build(d: Dispatcher) -> APIRouter:
     @api.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         body = body.model_copy(update={"priority": d.settings.clamp_priority(body.priority)})
-        return await _serve(d, request, body, "chat", lambda: body.prompt_tokens(model), body.max_new, body.logprobs_n)
+        return await _serve(
+            d,
+            request,
+            body,
+            "chat",
+            lambda: body.prompt_tokens(model, d.settings.exact_history),
+            body.max_new,
+            body.logprobs_n,
+        )
 
     @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

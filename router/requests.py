@@ -138,10 +138,10 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-    def prompt_tokens(self, model: ModelInfo) -> PromptTokens:
+    def prompt_tokens(self, model: ModelInfo, mark_answers: bool = True) -> PromptTokens:
         """The messages through the model's chat template, then the tokenizer, with the spans of
-        the earlier answers (SamplingParams.decoded). Raises InvalidRequestError (400) for
-        whatever the template or the tokenizer refuses."""
+        the earlier answers (SamplingParams.decoded) if `mark_answers`. Raises
+        InvalidRequestError (400) for whatever the template or the tokenizer refuses."""
         messages = [m.as_template_input() for m in self.messages]
         try:
             text = model.tokenizer.apply_chat_template(messages)
@@ -154,7 +154,8 @@ class ChatCompletionRequest(_Common):
         except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
             log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
             raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
-        return _encode(model, text, "messages", [m["content"] for m in messages if m["role"] == "assistant"])
+        answers = [m["content"] for m in messages if m["role"] == "assistant"] if mark_answers else []
+        return _encode(model, text, "messages", answers)
 
     @property
     def prompt_chars(self) -> int:

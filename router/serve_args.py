@@ -114,6 +114,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="fail a request (503) rather than run it whole on the other P/D pool when its own has no live worker",
     )
     ap.add_argument(
+        "--fast-history",
+        action="store_true",
+        help="prefill a chat's earlier answers like the rest of its prompt; by default they run as the decode rows "
+        "that wrote them, so a turn answers alike with its history cached or not (cold, 1.4-1.8x slower to a first "
+        "token when answers are most of the history)",
+    )
+    ap.add_argument(
         "--speculative",
         default=env("TANDEM_SPECULATIVE", "suffix"),
         choices=["off", "ngram", "suffix"],

@@ -68,6 +68,7 @@ def _settings(args: argparse.Namespace) -> RouterSettings:
             **({"overflow_below_tokens": args.overflow_below} if args.overflow_below is not None else {}),
             **({"spill_streams": args.spill_streams} if args.spill_streams is not None else {}),
             **({"cross_pool": False} if args.no_cross_pool else {}),
+            **({"exact_history": False} if args.fast_history else {}),
             allow_loopback_admin=args.allow_loopback_admin,
             **({"admin_token": args.admin_token} if args.admin_token else {}),
         )

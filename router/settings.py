@@ -43,6 +43,9 @@ class RouterSettings(BaseModel):
     overflow_below_tokens: int = Field(default=RoutingPolicy.overflow_below_tokens, ge=0)  # see RoutingPolicy
     spill_streams: int = Field(default=RoutingPolicy.spill_streams, ge=0)  # see RoutingPolicy
     cross_pool: bool = RoutingPolicy.cross_pool  # see RoutingPolicy
+    # a chat's earlier answers run as decode rows, as they were written (SamplingParams.decoded):
+    # a turn then answers alike with its history cached or not; False prefills them, faster cold
+    exact_history: bool = True
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     min_priority: int = -100
     max_priority: int = 100

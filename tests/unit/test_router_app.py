@@ -236,3 +236,6 @@ def test_a_chats_earlier_answers_reach_the_engine_as_decoded_spans(backend: Fake
     assert [tok.decode(ids[a:b]) for a, b in spans] == answers
     assert c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2}).status_code == 200
     assert backend.params[-1].decoded == ()  # no earlier answer
+    fast = client(backend, exact_history=False)  # tandem serve --fast-history
+    assert fast.post(CHAT, json={"model": "fake-model", "messages": messages, "max_tokens": 2}).status_code == 200
+    assert backend.params[-1].decoded == ()

@@ -285,3 +285,8 @@ def test_tandem_serve_can_turn_cross_pool_off() -> None:
     assert RouterSettings().routing_policy.cross_pool
     assert not RouterSettings(cross_pool=False).routing_policy.cross_pool
     assert parse(["--no-cross-pool"]).no_cross_pool and not parse([]).no_cross_pool
+
+
+def test_tandem_serve_can_prefill_a_chats_history_fast() -> None:
+    assert RouterSettings().exact_history and not RouterSettings(exact_history=False).exact_history
+    assert parse(["--fast-history"]).fast_history and not parse([]).fast_history
