@@ -153,21 +153,18 @@ class Tokenizer:
         ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
         return ids
 
-    def encode_marking(self, text: str, pieces: Sequence[str]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
-        """`encode(text)`, and for each of `pieces` found in `text` in order (each after the one
-        before), the span [start, end) of the tokens that lie wholly inside it; a piece not found,
-        or with no whole token in it, marks nothing."""
+    def encode_marking(
+        self, text: str, marks: Sequence[tuple[int, int]]
+    ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """`encode(text)`, and for each of `marks` (sorted, disjoint character spans [start, end)
+        of `text`) the span [start, end) of the tokens that lie wholly inside it; a mark with no
+        whole token in it gives none."""
         enc = self._backend.encode(text, add_special_tokens=True)
         starts = [s for s, _ in enc.offsets]
         spans: list[tuple[int, int]] = []
-        at = 0
-        for piece in pieces:
-            i = text.find(piece, at) if piece else -1
-            if i < 0:
-                continue
-            at = i + len(piece)
-            first = k = bisect.bisect_left(starts, i)
-            while k < len(starts) and enc.offsets[k][1] <= at:
+        for begin, end in marks:
+            first = k = bisect.bisect_left(starts, begin)
+            while k < len(starts) and enc.offsets[k][1] <= end:
                 k += 1
             if k > first:
                 spans.append((first, k))

@@ -154,8 +154,7 @@ class ChatCompletionRequest(_Common):
         except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
             log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
             raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
-        answers = [m["content"] for m in messages if m["role"] == "assistant"] if mark_answers else []
-        return _encode(model, text, "messages", answers)
+        return _encode(model, text, "messages", _answers(model, messages, text) if mark_answers else ())
 
     @property
     def prompt_chars(self) -> int:
@@ -220,7 +219,28 @@ class PromptTokens:
     decoded: tuple[tuple[int, int], ...] = ()  # SamplingParams.decoded
 
 
-def _encode(model: ModelInfo, text: str, param: str, answers: Sequence[str] = ()) -> PromptTokens:
+def _answers(model: ModelInfo, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+    """Where each assistant message's content lies in `text` (the messages templated), as
+    character spans: looked for from the end of the template's rendering of the messages before
+    it (so a user's quote of it does not count), else from the end of the last one found."""
+    marks: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or not m["content"]:
+            continue
+        at = marks[-1][1] if marks else 0
+        try:
+            before = model.tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False) if i else ""
+            if text.startswith(before):
+                at = max(at, len(before))
+        except Exception:  # a template that refuses the shorter conversation: look from `at`
+            pass
+        found = text.find(m["content"], at)
+        if found >= 0:
+            marks.append((found, found + len(m["content"])))
+    return marks
+
+
+def _encode(model: ModelInfo, text: str, param: str, answers: Sequence[tuple[int, int]] = ()) -> PromptTokens:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

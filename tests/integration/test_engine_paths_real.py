@@ -236,7 +236,8 @@ def test_int8_a_second_turn_answers_alike_with_the_first_cached_or_not(model_pat
         first = [{"role": "user", "content": question}]
         answer = warm.generate([tok.apply_chat_template(first)], params)[0].text
         chat = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Say it shorter."}]
-        ids, spans = tok.encode_marking(tok.apply_chat_template(chat), [answer])
+        text = tok.apply_chat_template(chat)
+        ids, spans = tok.encode_marking(text, [(text.index(answer), text.index(answer) + len(answer))])
         assert len(spans) == 1 and tok.decode(ids[spans[0][0] : spans[0][1]]) == answer
         second = replace(params, decoded=spans)
         hit, miss = warm.generate([ids], second)[0], cold.generate([ids], second)[0]

@@ -222,10 +222,11 @@ def test_one_json_log_line_per_request(backend: FakeBackend, caplog: pytest.LogC
 
 
 def test_a_chats_earlier_answers_reach_the_engine_as_decoded_spans(backend: FakeBackend) -> None:
-    """Each assistant message's tokens, found in the templated prompt: the engine runs them as
-    decode rows (SamplingParams.decoded), so a turn's answer does not depend on the cache."""
+    """Each assistant message's tokens, found in the templated prompt after the messages before
+    it (a user quoting it does not count): the engine runs them as decode rows
+    (SamplingParams.decoded), so a turn's answer does not depend on the cache."""
     answers = ["Paris is the capital of France.", "About 2.1 million people live there."]
-    messages = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": answers[0]},
+    messages = [{"role": "user", "content": f"Say '{answers[0]}'"}, {"role": "assistant", "content": answers[0]},
                 {"role": "user", "content": "How many live there?"}, {"role": "assistant", "content": answers[1]},
                 {"role": "user", "content": "Thanks!"}]  # fmt: skip
     c = client(backend)
@@ -234,6 +235,7 @@ def test_a_chats_earlier_answers_reach_the_engine_as_decoded_spans(backend: Fake
     ids = tok.encode(tok.apply_chat_template(messages))
     spans = backend.params[-1].decoded
     assert [tok.decode(ids[a:b]) for a, b in spans] == answers
+    assert spans[0][0] == len(tok.encode(tok.apply_chat_template(messages[:1])))  # where turn 1 answered, not the quote
     assert c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2}).status_code == 200
     assert backend.params[-1].decoded == ()  # no earlier answer
     fast = client(backend, exact_history=False)  # tandem serve --fast-history
