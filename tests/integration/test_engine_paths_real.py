@@ -180,19 +180,25 @@ def test_int8_prompt_cached_but_its_last_token_gives_the_cold_tokens_and_logprob
     e.check_integrity()
 
 
-def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(model_path: str) -> None:
+@pytest.fixture(scope="module")
+def engine_int8(model_path: str) -> Engine:
+    """int8 where its rows do not depend on their step (the per-row kernel); skips elsewhere."""
+    from engine.native import ops
+
+    native = ops()
+    if native is None or not native.linear_i8_fast:
+        pytest.skip("no per-row int8 kernels (AVX512-VNNI): a row's result depends on its step")
+    return Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256, block_size=16))
+
+
+def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(engine_int8: Engine) -> None:
     """int8: an answer's tokens recomputed at once, as a failover replays them (prompt + the
     tokens sent, `output_offset`) or a preempted request recomputes them, run as the decode rows
     that first computed them, so the rest of the answer is the uninterrupted one, bit for bit.
     Prefilled as prompt tokens (another attention kernel), 0 of 16 greedy replays had kept it."""
     from dataclasses import replace
 
-    from engine.native import ops
-
-    native = ops()
-    if native is None or not native.linear_i8_fast:
-        pytest.skip("no per-row int8 kernels (AVX512-VNNI): a row's result depends on its step")
-    e = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256, block_size=16))
+    e = engine_int8
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
     assert e.tokenizer is not None
@@ -215,19 +221,14 @@ def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(
     assert tight.kv.num_free_blocks == tight.config.num_blocks
 
 
-def test_int8_a_second_turn_answers_alike_with_the_first_cached_or_not(model_path: str) -> None:
+def test_int8_a_second_turn_answers_alike_with_the_first_cached_or_not(engine_int8: Engine) -> None:
     """int8: a second turn whose prompt holds the first answer, marked as the router marks it
     (`Tokenizer.encode_marking`, SamplingParams.decoded), gives the same tokens and logprobs
     whether the cache still holds the first turn's KV (as decode rows wrote it) or not. Unmarked,
     that answer was prefilled cold: 2 of 6 such chats had kept the cached run's answer."""
     from dataclasses import replace
 
-    from engine.native import ops
-
-    native = ops()
-    if native is None or not native.linear_i8_fast:
-        pytest.skip("no per-row int8 kernels (AVX512-VNNI): a row's result depends on its step")
-    warm = Engine.from_path(model_path, EngineConfig(dtype="int8", num_blocks=256, block_size=16))
+    warm = engine_int8
     cold = Engine(warm.model, warm.tokenizer, EngineConfig(dtype="int8", num_blocks=256, enable_prefix_caching=False))
     tok = warm.tokenizer
     assert tok is not None
