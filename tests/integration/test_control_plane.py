@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from tests.integration.waits import until
 
 STREAMS = 64
+FULL_LOAD = STREAMS * 7 // 8  # streams running at once that count as the worker's full load
 # ~0.3-0.4 s per decode step of 64 sequences on one CPU thread: ~100 tokens run 30-40 s
 LONG = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
 PING_BUDGET_S = 1.0
@@ -110,9 +111,6 @@ class PingProbe:
                 self.samples.append((t, wid, time.monotonic() - t))
             self._stop.wait(0.1)
 
-    def between(self, start: float, end: float) -> list[float]:
-        return [s for t, _, s in self.samples if start <= t <= end]
-
     def worst(self) -> float:
         return max((s for _, _, s in self.samples), default=0.0)
 
@@ -129,8 +127,7 @@ class Streams:
         self.migrations: list[int] = [0] * n
         self.done_at: list[float] = [0.0] * n
         self.started = 0
-        self.all_started_at = float("inf")
-        self.first_done_at = float("inf")
+        self.spans: list[tuple[float, float]] = []  # (first token, end), monotonic, per finished stream
         self._lock = threading.Lock()
         self._runs: list[RequestRun] = []
         self._threads = [threading.Thread(target=self._run, args=(c, i, params), daemon=True) for i in range(n)]
@@ -155,6 +152,7 @@ class Streams:
     def _run(self, c: Cluster, i: int, params: SamplingParams) -> None:
         prompt = [1, 504, 3458, 282, 253, 1345, 30, 2295, 100 + i, 198]
         n = 0
+        first = float("inf")
         try:
             run = c.generate(prompt, params)
             with self._lock:
@@ -164,17 +162,21 @@ class Streams:
                 if out.placement is not None:
                     self.decode_worker[i] = out.placement.decode_worker
                 if n == 0:
+                    first = time.monotonic()
                     with self._lock:
                         self.started += 1
-                        if self.started == len(self.tokens):
-                            self.all_started_at = time.monotonic()
                 n += len(out.token_ids)
             self.tokens[i] = n
         except BaseException as e:
             self.tokens[i] = e
         self.done_at[i] = time.time()
         with self._lock:
-            self.first_done_at = min(self.first_done_at, time.monotonic())
+            self.spans.append((first, time.monotonic()))
+
+    def running_at(self, t: float) -> int:
+        """How many streams had emitted their first token and not yet ended at `t` (monotonic)."""
+        with self._lock:
+            return sum(start <= t < end for start, end in self.spans)
 
 
 def test_pings_answer_within_a_second_while_a_decode_worker_runs_its_maximum_streams(cluster: Cluster) -> None:
@@ -183,11 +185,13 @@ def test_pings_answer_within_a_second_while_a_decode_worker_runs_its_maximum_str
     with PingProbe(cluster.handles()) as probe, Streams(cluster, STREAMS, LONG) as streams:
         until(lambda: streams.started == STREAMS, 240, f"{STREAMS} streams to emit their first token")
         streams.join(600)
-    full_load = probe.between(streams.all_started_at, streams.first_done_at)
+    # Full load: nearly every stream decodes. Not all of them: the first prompt or few reach the
+    # prefill worker alone, and their streams can end before the batched rest has started.
+    full_load = [s for t, _, s in probe.samples if streams.running_at(t) >= FULL_LOAD]
     print(
-        f"\nping under {STREAMS} streams: {len(probe.samples)} pings, {len(full_load)} at full load, "
-        f"worst {probe.worst():.3f} s, worst at full load {max(full_load, default=0):.3f} s, "
-        f"full load lasted {streams.first_done_at - streams.all_started_at:.1f} s"
+        f"\nping under {STREAMS} streams: {len(probe.samples)} pings, {len(full_load)} with >= {FULL_LOAD} "
+        f"streams running, worst {probe.worst():.3f} s, worst of those {max(full_load, default=0):.3f} s, "
+        f"most running at a ping {max((streams.running_at(t) for t, _, _ in probe.samples), default=0)}"
     )
     assert streams.tokens == [LONG.max_tokens] * STREAMS
     assert not probe.errors
