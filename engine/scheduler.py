@@ -75,6 +75,9 @@ class SchedulerOutput:
         return sum(c.num_new_tokens for c in self.decodes) + sum(c.num_new_tokens for c in self.prefills)
 
 
+FIRST_CALL_KEYS = 16  # keys a prefill call must reach unless the prompt ends first (Scheduler._chunk)
+
+
 class Scheduler:
     def __init__(
         self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int = 0
@@ -109,6 +112,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
+            if n == 0:
+                i += 1
+                continue
             draft, req.draft = (req.draft if n == 1 and len(req.draft) < budget else ()), ()
             n += len(draft)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
@@ -128,7 +134,7 @@ class Scheduler:
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.token_ids)
                 req.num_cached_tokens = req.num_computed_tokens
             n = self._chunk(req, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if n == 0 or not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 if not external_kv:
                     self.kv.free(req.request_id)  # give back prefix hits; look up again next time
                     req.num_computed_tokens = req.num_cached_tokens = 0
@@ -148,9 +154,23 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """How many of `req`'s uncomputed tokens run this step: to the budget and the chunk cap,
-        and a prompt's chunk stops where its decode rows start (ScheduledChunk.is_decode)."""
+        and a prompt's chunk stops where its decode rows start (ScheduledChunk.is_decode).
+
+        0 (not this step) where the budget would end a prompt's chunk before FIRST_CALL_KEYS
+        keys while more of its prompt follows: the int8 prefill kernel centres keys on the mean
+        of the first 16, of fewer where a call has fewer (engine/csrc/prefill_attention_i8.c),
+        so those rows' KV, reused by the rest of the prompt and by the prefix cache, had other
+        bits than an uncut prompt's. Such a cut is made by what else shares the step: int8, a
+        prompt cut after 5 or 14 tokens changed its first token's logprob, and a prefix cache
+        that kept that KV changed the answers of other prompts sharing the prefix."""
         start = req.num_computed_tokens
-        return min(req.run_from(start)[1] - start, budget, self.prefill_chunk or self.max_num_batched_tokens)
+        decode, run_end = req.run_from(start)
+        cap = self.prefill_chunk or self.max_num_batched_tokens
+        n = min(run_end - start, budget, cap)
+        fewest = min(run_end, FIRST_CALL_KEYS) - start
+        if not decode and n < fewest <= cap:
+            return 0
+        return n
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -146,14 +146,16 @@ def test_arguments_and_registration() -> None:
 
 
 def test_engine_wave_times_only_the_steps_where_the_whole_batch_decodes(tiny_model: LlamaModel) -> None:
-    # a budget of 8 tokens chunks the three 5-token prompts over two steps:
-    #   step 1  A prefill (first token) + 3 of B      outputs A1        not steady
-    #   step 2  A decode + rest of B + C prefill      outputs A2 B1 C1  not steady
-    #   steps 3-6  all three decode                   outputs A B C     steady (A ends at 6)
-    #   step 7  B, C decode                           outputs B C       not steady
+    # a budget of 8 tokens admits the three 5-token prompts over three steps (a prompt is not
+    # cut before 16 keys while it fits a step's budget: Scheduler._chunk):
+    #   step 1  A prefill (first token)               outputs A1        not steady
+    #   step 2  A decode + B prefill                  outputs A2 B1     not steady
+    #   step 3  A, B decode + C prefill               outputs A3 B2 C1  not steady
+    #   steps 4-6  all three decode                   outputs A B C     steady (A ends at 6)
+    #   steps 7-9  B, C decode                        outputs B C       not steady
     engine = make_engine(tiny_model, max_num_batched_tokens=8)
     batch = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
     tokens, steady = engine_wave(engine, batch, max_tokens=6)
-    assert tokens == 18 and len(steady) == 4
+    assert tokens == 18 and len(steady) == 3
     assert not engine.has_unfinished()
     engine.check_integrity()

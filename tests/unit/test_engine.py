@@ -88,7 +88,10 @@ def test_a_short_prompt_runs_beside_a_long_ones_chunks_not_after_them(tiny_model
     uncapped = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=64, max_prefill_chunk=0)
     uncapped.add_request("long", long, GREEDY)
     uncapped.add_request("short", short, GREEDY)
-    assert [c.num_new_tokens for c in uncapped.scheduler.schedule().prefills] == [60, 4], "the budget cuts only"
+    step = uncapped.scheduler.schedule()
+    assert [c.num_new_tokens for c in step.prefills] == [60], "the budget cuts only, and not 4 of 5 (below)"
+    uncapped.scheduler.advance(step)
+    assert [c.num_new_tokens for c in uncapped.scheduler.schedule().prefills] == [5]
 
 
 def test_the_prefill_chunk_resolves_per_device() -> None:
@@ -153,6 +156,31 @@ def test_an_answers_tokens_recomputed_at_once_run_as_decode_rows(tiny_model: Lla
     r = Request("r", [1, 2, 3, 4, 5], GREEDY, arrival_seq=0, token_ids=[1, 2, 3, 4, 5, 6, 7, 8])
     assert r.decode_from == 5 and ScheduledChunk(r, 5, 3).is_decode and not ScheduledChunk(r, 0, 5).is_decode
     assert Request("o", [1, 2], replace(GREEDY, output_offset=5), arrival_seq=1).decode_from == 0
+
+
+def test_the_budget_never_cuts_a_prompt_before_16_keys(tiny_model: LlamaModel) -> None:
+    """A step's leftover budget does not start a prompt with a chunk of fewer than 16 tokens
+    while more of it follows (the int8 prefill kernel rounds such a call's rows otherwise:
+    Scheduler._chunk); the prompt starts next step. A prompt shorter than that runs whole or
+    waits; a chunk cap below 16 still cuts, or nothing would ever run."""
+
+    def first_step(budget: int, *lengths: int) -> list[tuple[str, int, int]]:
+        e = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        for i, n in enumerate(lengths):
+            e.add_request(f"r{i}", list(range(1, n + 1)), GREEDY)
+        return [(c.request.request_id, c.start, c.end) for c in e.scheduler.schedule().prefills]
+
+    assert first_step(32, 24, 40) == [("r0", 0, 24)], "8 tokens left: r1 waits"
+    assert first_step(32, 10, 40) == [("r0", 0, 10), ("r1", 0, 22)], "22 left: cut there"
+    assert first_step(32, 16, 40) == [("r0", 0, 16), ("r1", 0, 16)]
+    assert first_step(32, 24, 8) == [("r0", 0, 24), ("r1", 0, 8)], "a short prompt that fits runs"
+    assert first_step(32, 24, 12, 4) == [("r0", 0, 24)], "one that does not waits, and so do those behind it"
+    assert first_step(7, 40) == [("r0", 0, 7)], "a budget below 16 cuts"
+    e = make_engine(tiny_model, num_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
+    ps = [list(range(1, 25)), list(range(30, 70)), [5, 6, 7]]
+    assert run_all(e, {0: [(f"r{i}", p) for i, p in enumerate(ps)]}) == {f"r{i}": alone(tiny_model, p)
+                                                                        for i, p in enumerate(ps)}  # fmt: skip
+    assert_all_free(e)
 
 
 def test_an_earlier_answers_span_runs_as_decode_rows(tiny_model: LlamaModel) -> None:
