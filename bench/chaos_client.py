@@ -54,11 +54,17 @@ class Stream:
 class ChatClient:
     """Greedy streamed chat completions against `url` (the router's base URL)."""
 
-    def __init__(self, url: str, model: str, max_tokens: int, deadline_s: float = 180.0) -> None:
+    def __init__(
+        self, url: str, model: str, max_tokens: int, deadline_s: float = 180.0, speculate: bool = True
+    ) -> None:
         self.url = url
         self.model = model
         self.max_tokens = max_tokens
         self.deadline_s = deadline_s
+        self.speculate = speculate  # False: the requests opt out of speculative decoding
+
+    def without_speculation(self) -> ChatClient:
+        return ChatClient(self.url, self.model, self.max_tokens, self.deadline_s, speculate=False)
 
     def body(self, prompt: str) -> dict[str, Any]:
         return {
@@ -69,6 +75,7 @@ class ChatClient:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **({} if self.speculate else {"speculate": False}),
         }
 
     def stream(self, prompt: str, into: Stream | None = None) -> Stream:

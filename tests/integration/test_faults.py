@@ -20,19 +20,16 @@ from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_de
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.manager_link import CannotJoinError
-from engine.config import EngineConfig
+from tests.integration.serving import serving_engine
 
 MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def chaos() -> Iterator[Chaos]:
-    # fp32: int8 (what `tandem serve` runs here) keeps a replayed answer now, but in 2 of ~10 fresh
-    # clusters one stream of 32 answered otherwise than undisturbed; the one looked at was not
-    # moved, and ran whole on the decode worker that had served it before (the local route):
-    # not understood yet (README, "With the engine `tandem serve` runs").
-    # 256-token prefill chunks: an abort waits for the engine's current step, so steps stay short.
-    engine = EngineConfig(dtype="fp32", num_blocks=512, num_threads=1, max_num_seqs=64, max_num_batched_tokens=256)
+    # The engine `tandem serve` runs (a replayed answer must be the undisturbed one to the token
+    # there). 256-token prefill chunks: an abort waits for the engine's current step, so steps stay short.
+    engine = serving_engine(num_blocks=512, num_threads=1, max_num_seqs=64, max_num_batched_tokens=256)
     config = ClusterConfig(namespace=unique_namespace("faults"), prefill=1, decode=2, engine=engine)
     with running_cluster(config) as cluster, serving(cluster, max_running=128) as url:
         yield Chaos(cluster, url, MAX_TOKENS)

@@ -19,8 +19,8 @@ import pytest
 import ray
 
 from cluster.cluster import Cluster, ClusterConfig
-from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from tests.integration.serving import serving_engine
 from tests.integration.waits import until
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -29,7 +29,7 @@ N = 6
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    engine = EngineConfig(dtype="fp32", num_blocks=256, num_threads=1)
+    engine = serving_engine(num_blocks=256, num_threads=1)  # a flip drains: its streams end where they began
     c = Cluster.connect(ClusterConfig(namespace="roleflip", prefill=2, decode=1, engine=engine, transport="shm"))
     try:
         c.wait_ready(240)
