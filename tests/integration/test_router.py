@@ -27,7 +27,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from cli.admin import main as admin_cli
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.routing import RoutingPolicy
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import prefix_hashes
 from router.app import create_app
@@ -36,6 +35,7 @@ from router.server import http_server
 from router.settings import RouterSettings
 from router.tracing import new_provider
 from tests.integration.otlp_collector import Collector, Received, otlp_collector
+from tests.integration.serving import serving_engine
 from tests.integration.waits import until
 from tests.unit.test_dashboard import SPEC_ONLY, dashboard_metrics
 
@@ -60,7 +60,7 @@ def cluster(collector: tuple[str, Collector]) -> Iterator[Cluster]:
     c = Cluster.connect(
         ClusterConfig(
             namespace="router-itest",
-            engine=EngineConfig(dtype="fp32", num_blocks=256, num_threads=1),
+            engine=serving_engine(num_blocks=256, num_threads=1),
             worker_env=env,
         )
     )
