@@ -157,7 +157,7 @@ async def _whole(d: Dispatcher, start: Awaitable[Run], shape: Shape, trace: Trac
         d.finish(trace)
         return Response(status_code=CLIENT_GONE)
     d.finish(trace)
-    counts = usage(trace.prompt_tokens, trace.completion_tokens)
+    counts = usage(trace.prompt_tokens, trace.completion_tokens, trace.cached_tokens)
     body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
     return JSONResponse(body, headers={"x-tandem-timing": json.dumps(trace.timing(), separators=(",", ":"))})
 
@@ -222,7 +222,8 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
                     body["tandem"] = tandem()  # the timing breakdown rides on the last chunk
                 yield sse(body)
         if include_usage:
-            yield sse({**shape.usage_chunk(usage(trace.prompt_tokens, trace.completion_tokens)), "tandem": tandem()})
+            counts = usage(trace.prompt_tokens, trace.completion_tokens, trace.cached_tokens)
+            yield sse({**shape.usage_chunk(counts), "tandem": tandem()})
         yield sse("[DONE]")
     except Exception as e:
         err = as_api_error(e, d.settings.retry_after_s)

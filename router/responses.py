@@ -107,15 +107,18 @@ class Shape:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self.chunk(None), "choices": [], "usage": usage}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens whose KV a
+    worker's prefix cache held (what OpenAI bills at the cached rate)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

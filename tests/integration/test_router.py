@@ -120,7 +120,13 @@ def test_openai_sdk_chat_and_completions(sdk: openai.OpenAI, model: str) -> None
     )  # fmt: skip
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    again = chunks[-1].usage
+    assert again is not None and again.model_dump(exclude={"prompt_tokens_details"}) == whole.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    # the SDK reads the cached count; the same prompt again finds at least its whole blocks cached
+    assert whole.usage.prompt_tokens_details is not None and again.prompt_tokens_details is not None
+    assert again.prompt_tokens_details.cached_tokens == (whole.usage.prompt_tokens - 1) // 16 * 16
     assert (chunks[-1].model_extra or {})["tandem"]["timing"]["prefill_worker"]
 
     done = sdk.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
@@ -245,13 +251,16 @@ def test_admin_scales_pools_and_cache_aware_routing(
     follow = [*history, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
     for stream in (False, True):
         body = {"model": model, "messages": follow, "max_tokens": 8, "temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         r = httpx.post(chat, json=body, timeout=120)
         if stream:
             last = json.loads([x for x in r.text.split("\n\n") if x.startswith("data: {")][-1].removeprefix("data: "))
-            timing = last["tandem"]["timing"]
+            timing, usage = last["tandem"]["timing"], last["usage"]
         else:
-            timing = json.loads(r.headers["x-tandem-timing"])
+            timing, usage = json.loads(r.headers["x-tandem-timing"]), r.json()["usage"]
         assert timing["prefill_worker"] == holder and timing["cached_tokens"] > 0, timing
+        assert usage["prompt_tokens_details"] == {"cached_tokens": timing["cached_tokens"]}  # OpenAI's field
 
     assert httpx.post(f"{url}/admin/rebalance", json={"prefill": 1, "decode": 1}, headers=ADMIN).status_code == 200
     until(lambda: up(url, "decode") == 1 and up(url, "prefill") == 1, 120, "pools back to 1 + 1")
@@ -272,7 +281,8 @@ def test_conditional_disaggregation_runs_a_short_prompt_colocated(url: str, mode
     timing = json.loads(colo.headers["x-tandem-timing"])
     assert timing["prefill_worker"] == timing["decode_worker"] and timing["transfer_bytes"] == 0, timing
     assert colo.json()["choices"][0]["text"] == pd.json()["choices"][0]["text"]
-    assert colo.json()["usage"] == pd.json()["usage"]
+    drop_details = lambda u: {k: v for k, v in u.items() if k != "prompt_tokens_details"}  # noqa: E731
+    assert drop_details(colo.json()["usage"]) == drop_details(pd.json()["usage"])  # the caches differ
     long = {**body, "prompt": "The capital of France is a city that " * 8}  # over 32 tokens: P/D
     assert (
         json.loads(httpx.post(f"{url}/v1/completions", json=long, timeout=60).headers["x-tandem-timing"])[

@@ -28,7 +28,12 @@ def test_chat_whole_answer_has_exact_usage_timing_and_request_id(backend: FakeBa
     assert r.status_code == 200, r.text
     body = r.json()
     prompt = backend.tokenizer.encode(backend.tokenizer.apply_chat_template(HELLO))
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 5,
+        "total_tokens": len(prompt) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["choices"][0]["message"] == {
         "role": "assistant",
         "content": backend.tokenizer.decode(backend.text_ids[:5]),
