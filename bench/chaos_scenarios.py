@@ -95,10 +95,16 @@ def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
 
 
 def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
-    """2 prefill workers, n long prompts; SIGKILL one while it is prefilling and streaming KV."""
+    """2 prefill workers, n long prompts; SIGKILL one while it is prefilling and streaming KV.
+
+    The faulted run meets caches that do not hold its prompts: run after an undisturbed run of
+    the same prompts, every prompt was a prefix-cache hit on the worker that had prefilled it
+    (int8 here), nothing was in flight at the kill, and no prefill was retried. So the
+    undisturbed run (for latency) has prompts of its own, and the reference texts are those
+    same prompts run again once the pools are whole."""
     c.pools(prefill=2, decode=1)
     prompts = c.prompts(n, "prefill-kill", words=300)
-    base = run_streams(c.client, prompts)
+    base = run_streams(c.client, c.prompts(n, "prefill-kill-base", words=300))
     t_fault = 0.0
 
     def fault(streams: list[Stream]) -> None:
@@ -115,10 +121,10 @@ def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
         t_fault = time.monotonic()
 
     run = c.streamed_with(prompts, fault)
-    facts = same_answers(base, run, c.client.max_tokens)
     affected = [s for s in run if int(s.timing.get("attempts", 1)) > 1 or int(s.timing.get("migrations", 0))]
-    facts["attempts"] = sorted(int(s.timing.get("attempts", 0)) for s in run)
     recovery = c.whole_again(t_fault, prefill=2, decode=1)
+    facts = same_answers(run_streams(c.client, prompts), run, c.client.max_tokens)
+    facts["attempts"] = sorted(int(s.timing.get("attempts", 0)) for s in run)
     return outcome("prefill SIGKILL", base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(),
                    facts={**facts, "retried": len(affected)})  # fmt: skip
 

@@ -61,6 +61,7 @@ def test_prefill_worker_killed_mid_transfer(chaos: Chaos) -> None:
     r = prefill_kill(chaos, n=8)
     clean(r)
     assert r.facts["same_text"] == r.facts["usage_exact"] == 8, r.facts
+    assert r.facts["retried"] > 0, f"the killed worker had prefills in flight, retried elsewhere: {r.facts}"
 
 
 def test_decode_worker_frozen_for_15_s(chaos: Chaos) -> None:
