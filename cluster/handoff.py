@@ -40,7 +40,7 @@ import ray
 
 from cluster.feeds import Entry, Feeds, Gone
 from cluster.inflight import InflightLedger
-from cluster.liveness import AttemptFailed, Cancelled, Liveness, Waits
+from cluster.liveness import AttemptFailed, Cancelled, Liveness, Waits, let_go
 from cluster.outputs import Placement
 from cluster.routing import Route
 from engine.errors import InvalidRequestError
@@ -98,6 +98,7 @@ class Attempt:
         self.traceparent = traceparent  # for the workers' spans (engine/spans.py)
         self.stage = Stage.NEW
         self.placement: Placement | None = None
+        self._sent: list[Any] = []  # the refs of the calls made, let go of at close()
         missing = [w for w in route.workers if w not in handles]
         if missing:
             raise AttemptFailed(f"worker {missing[0]} is gone", missing[0])
@@ -123,11 +124,12 @@ class Attempt:
         rid, route, lease_s = self.request_id, self.route, self.waits.lease_s
         renew = {route.decode: lambda: self.decode.renew.remote(rid, lease_s)}
         live = Liveness({route.decode: self.decode, str(route.prefill): prefill}, self.waits, renew)
-        with self._feed(route.decode) as feed:
-            reservation = self.decode.reserve.remote(rid, len(self.prompt), lease_s, self.seam.feeds.subscriber)
+        with self._feed(route.decode) as feed, contextlib.closing(live):
+            subscriber = self.seam.feeds.subscriber
+            reservation = self._keep(self.decode.reserve.remote(rid, len(self.prompt), lease_s, subscriber))
             self.stage = Stage.RESERVED
             try:
-                ref = prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent)
+                ref = self._keep(prefill.prefill.remote(rid, self.prompt, self.params, reservation, self.traceparent))
                 result: PrefillResult = self._await(ref, live, str(route.prefill), peer=route.decode)
             except AttemptFailed:
                 if ray.wait([reservation], timeout=0)[0]:
@@ -138,14 +140,14 @@ class Attempt:
             times, cached = (result.queue_s, result.prefill_s, result.transfer_s), result.cached_tokens
             self.placement = Placement.of(str(route.prefill), route.decode, cached, times, result.transfer)
             if result.first.finished:  # ended at its first token (EOS, max_tokens=1)
-                self.decode.release.remote(rid)
+                self._keep(self.decode.release.remote(rid))
                 self.stage = Stage.DONE
                 yield result.first
                 return
-            started = self.decode.start_decode.remote(
+            started = self._keep(self.decode.start_decode.remote(
                 self.seam.feeds.subscriber, rid, self.prompt, result.first.token_ids[0], self.params,
                 self.waits.transfer_s, self.traceparent,
-            )  # fmt: skip
+            ))  # fmt: skip
             self.stage = Stage.STREAMING
             yield result.first
             outs = self._follow(feed, started, route.decode)
@@ -159,7 +161,7 @@ class Attempt:
                 answer += out.token_ids
                 if out.finished and out.finish_reason in ("stop", "length") and self.seam.write_back:
                     # the next turn's prefill, on this prefill worker, then finds the answer cached too
-                    self.decode.write_back.remote(f"{rid}.wb", self.prompt + answer, prefill)
+                    self._keep(self.decode.write_back.remote(f"{rid}.wb", self.prompt + answer, prefill))
                 yield out
 
     def _whole(self) -> Iterator[TokenOutput]:
@@ -168,9 +170,10 @@ class Attempt:
         t0 = time.monotonic()
         worker = self.route.decode
         with self._feed(worker) as feed:
-            started = self.decode.start.remote(
-                self.seam.feeds.subscriber, self.request_id, self.prompt, self.params, self.traceparent
-            )
+            started = self._keep(
+                self.decode.start.remote(self.seam.feeds.subscriber, self.request_id, self.prompt, self.params,
+                                         self.traceparent)
+            )  # fmt: skip
             self.stage = Stage.STREAMING
             for out in self._follow(feed, started, worker):
                 if self.placement is None:
@@ -204,7 +207,12 @@ class Attempt:
     def _follow(self, feed: queue.SimpleQueue[Entry], started: Any, worker: str) -> Iterator[TokenOutput]:
         """The outputs `feed` brings from `worker` until the finished one; `started` is the ref of
         the call that started the request there, whose error (a failed admission) ends it."""
-        live = Liveness({worker: self.decode}, self.waits)
+        with contextlib.closing(Liveness({worker: self.decode}, self.waits)) as live:
+            yield from self._outputs(feed, started, worker, live)
+
+    def _outputs(
+        self, feed: queue.SimpleQueue[Entry], started: Any, worker: str, live: Liveness
+    ) -> Iterator[TokenOutput]:
         while True:
             if self.cancel.is_set():
                 raise Cancelled(f"request {self.request_id!r} was cancelled")
@@ -253,11 +261,20 @@ class Attempt:
                 with contextlib.suppress(Exception):  # Ray itself going down: the leases free the rest
                     if self.prefill is not None:
                         if stage in (Stage.NEW, Stage.RESERVED):
-                            self.prefill.abort.remote(rid)
-                        self.decode.release.remote(rid)
-                    self.decode.abort.remote(rid)
+                            self._keep(self.prefill.abort.remote(rid))
+                        self._keep(self.decode.release.remote(rid))
+                    self._keep(self.decode.abort.remote(rid))
+            if ray.is_initialized():
+                for ref in self._sent:
+                    let_go(ref)
+            self._sent.clear()
         finally:
             self.ledger.end(rid)
+
+    def _keep(self, ref: Any) -> Any:
+        """`ref`, kept to be let go of at close() (cluster.liveness.let_go)."""
+        self._sent.append(ref)
+        return ref
 
 
 def blamed(cause: BaseException, worker: str | None, peer: str | None) -> str | None:

@@ -6,6 +6,7 @@ A long prompt, a long queue or a big batch is not a failure; a dead or frozen wo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,15 @@ class AttemptFailed(EngineError):
 
 class Cancelled(EngineError):
     """The request was cancelled (its client went away)."""
+
+
+def let_go(ref: Any) -> None:
+    """Read `ref`'s result whenever it comes, and drop it: for a call nobody waits on any more
+    (its request cancelled or failed, or fire-and-forget). Dropped unread, a call that ended in
+    an error has Ray log it with its traceback as an "Unhandled error" (a client hanging up
+    mid-prefill did, on every such request)."""
+    with contextlib.suppress(Exception):  # Ray going down: nothing left to log it
+        ref.future()
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,12 @@ class Liveness:
         self._waits = waits
         self._pings: dict[str, tuple[Any, float]] = {}
         self._last = time.monotonic()
+
+    def close(self) -> None:
+        """Let go of the pings still out (the wait is over)."""
+        for ref, _ in self._pings.values():
+            let_go(ref)
+        self._pings.clear()
 
     def progress(self) -> None:
         self._last = time.monotonic()
