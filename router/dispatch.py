@@ -73,11 +73,6 @@ class Trace:
     def __post_init__(self) -> None:
         self.context = request_context(self.request_id, self.client)
 
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens the first attempt found in a prefix cache (0 before it was placed)."""
-        return self.placement.cached_tokens if self.placement is not None else 0
-
     def timing(self) -> dict[str, Any]:
         """queue (router + worker), route, prefill, transfer, first decode (transfer done to first
         token back here), decode (first to last token), plus TTFT, E2E and where it ran. The parts

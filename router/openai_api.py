@@ -157,7 +157,7 @@ async def _whole(d: Dispatcher, start: Awaitable[Run], shape: Shape, trace: Trac
         d.finish(trace)
         return Response(status_code=CLIENT_GONE)
     d.finish(trace)
-    counts = usage(trace.prompt_tokens, trace.completion_tokens, trace.cached_tokens)
+    counts = usage_of(trace)
     body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
     return JSONResponse(body, headers={"x-tandem-timing": json.dumps(trace.timing(), separators=(",", ":"))})
 
@@ -222,7 +222,7 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
                     body["tandem"] = tandem()  # the timing breakdown rides on the last chunk
                 yield sse(body)
         if include_usage:
-            counts = usage(trace.prompt_tokens, trace.completion_tokens, trace.cached_tokens)
+            counts = usage_of(trace)
             yield sse({**shape.usage_chunk(counts), "tandem": tandem()})
         yield sse("[DONE]")
     except Exception as e:
@@ -232,6 +232,12 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
         yield sse("[DONE]")
     finally:
         _end(d, run, trace)
+
+
+def usage_of(trace: Trace) -> dict[str, Any]:
+    """The request's usage; its cached count is the first attempt's (the breakdown's too)."""
+    cached = trace.placement.cached_tokens if trace.placement is not None else 0
+    return usage(trace.prompt_tokens, trace.completion_tokens, cached)
 
 
 def _end(d: Dispatcher, run: Run, trace: Trace) -> None:
