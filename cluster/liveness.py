@@ -73,7 +73,7 @@ class Liveness:
 
     def progress(self) -> None:
         self._last = time.monotonic()
-        self._pings.clear()
+        self.close()  # the pings out are answered by the progress itself
 
     def check(self) -> None:
         now = time.monotonic()

@@ -222,8 +222,7 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
                     body["tandem"] = tandem()  # the timing breakdown rides on the last chunk
                 yield sse(body)
         if include_usage:
-            counts = usage_of(trace)
-            yield sse({**shape.usage_chunk(counts), "tandem": tandem()})
+            yield sse({**shape.usage_chunk(usage_of(trace)), "tandem": tandem()})
         yield sse("[DONE]")
     except Exception as e:
         err = as_api_error(e, d.settings.retry_after_s)
