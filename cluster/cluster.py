@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import ray
 
 from cluster import manager_link, readiness
-from cluster.config import ClusterConfig, ray_env
+from cluster.config import ClusterConfig, ray_env, start_ray
 from cluster.feeds import Feeds
 from cluster.handoff import Attempt, Seam
 from cluster.inflight import InflightLedger
@@ -103,7 +103,8 @@ class Cluster:
             if joined_ray:
                 ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
             else:
-                ray.init(resources=node_resources(), include_dashboard=False, log_to_driver=False)
+                start_ray(ray.init, ray.shutdown, resources=node_resources(), include_dashboard=False,
+                          log_to_driver=False)  # fmt: skip
             if on_ray_started is not None:
                 on_ray_started()
         redis = None

@@ -1,8 +1,14 @@
 """cluster/start_failures.py: a role's failed starts in a row, its backoff, and the one-line
-reason Ray's error text carries; and pool_plan's name for a worker that died before answering."""
+reason Ray's error text carries; pool_plan's name for a worker that died before answering; and
+Ray's own start, tried once more after its GCS port wait timed out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
+
+from cluster.config import start_ray
 from cluster.pool_plan import Limits, Removal, WorkerHealth, decide
 from cluster.start_failures import BACKOFF_S, StartFailures, WorkersCannotStart, death_reason
 from router.admin import pools
@@ -60,3 +66,29 @@ def test_admin_pools_shows_the_roles_that_cannot_start_and_why() -> None:
     view = pools({"desired": {"decode": 1}, "workers": [], "start_failures": failing})
     assert view["start_failures"] == failing and view["up"]["decode"] == 0
     assert pools({"desired": {}, "workers": []})["start_failures"] == []  # a status from before them
+
+
+def test_ray_is_started_once_more_after_its_gcs_port_wait_timed_out() -> None:
+    """cluster.config.start_ray: the GCS port file's timeout is retried once (after a shutdown of
+    what the failed start left); another error, or the same one twice, is raised."""
+    calls: list[str] = []
+
+    def init_failing(times: int, message: str) -> Callable[..., None]:
+        def init(**kwargs: object) -> None:
+            calls.append(f"init {sorted(kwargs)}")
+            if sum(c.startswith("init") for c in calls) <= times:
+                raise RuntimeError(message)
+
+        return init
+
+    timed_out = "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc"
+    start_ray(init_failing(1, timed_out), lambda: calls.append("shutdown"), log_to_driver=False)
+    assert calls == ["init ['log_to_driver']", "shutdown", "init ['log_to_driver']"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        start_ray(init_failing(2, timed_out), lambda: calls.append("shutdown"))
+    assert calls == ["init []", "shutdown", "init []"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="address in use"):
+        start_ray(init_failing(1, "address in use"), lambda: calls.append("shutdown"))
+    assert calls == ["init []"]
