@@ -209,12 +209,12 @@ class PDActor(_Hosted, PublishesBlocks):
             finally:
                 self.publish_soon()
 
-    def reserve_write_back(self, request_id: str, token_ids: list[int]) -> WriteBackTicket | None:
-        return self._as(PrefillWorker).reserve_write_back(request_id, token_ids)
+    def reserve_write_back(self, request_id: str, keys: list[int]) -> WriteBackTicket | None:
+        return self._as(PrefillWorker).reserve_write_back(request_id, keys)
 
-    def adopt_write_back(self, request_id: str, token_ids: list[int]) -> None:
+    def adopt_write_back(self, request_id: str, keys: list[int]) -> None:
         try:
-            self._as(PrefillWorker).adopt_write_back(request_id, token_ids)
+            self._as(PrefillWorker).adopt_write_back(request_id, keys)
         finally:
             self.publish_soon()  # the next turn, perhaps sent already, looks these blocks up
 
@@ -228,23 +228,23 @@ class PDActor(_Hosted, PublishesBlocks):
         with w.serving():
             w.start_decode(*args, **kwargs)
 
-    def write_back(self, request_id: str, token_ids: list[int], target: Any) -> WriteBackResult | None:
+    def write_back(self, request_id: str, keys: list[int], target: Any) -> WriteBackResult | None:
         """DecodeWorker.send_write_back to `target`, a prefill actor. Best effort, after a turn: a
         failure is logged, never raised (the next turn then prefills the answer again)."""
 
-        def reserve(tokens: list[int]) -> WriteBackTicket | None:
+        def reserve(sent: list[int]) -> WriteBackTicket | None:
             ticket: WriteBackTicket | None = ray.get(
-                target.reserve_write_back.remote(request_id, tokens), timeout=WRITE_BACK_CALL_S
+                target.reserve_write_back.remote(request_id, sent), timeout=WRITE_BACK_CALL_S
             )
             return ticket
 
-        def adopt(tokens: list[int]) -> None:
-            ray.get(target.adopt_write_back.remote(request_id, tokens), timeout=WRITE_BACK_CALL_S)
+        def adopt(sent: list[int]) -> None:
+            ray.get(target.adopt_write_back.remote(request_id, sent), timeout=WRITE_BACK_CALL_S)
 
         try:
             w = self._as(DecodeWorker)
             with w.serving():
-                return w.send_write_back(request_id, token_ids, reserve, adopt)
+                return w.send_write_back(request_id, keys, reserve, adopt)
         except Exception as e:
             log.warning("write-back %s failed: %s: %s", request_id, type(e).__name__, e)
             return None

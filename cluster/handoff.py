@@ -43,6 +43,7 @@ from cluster.inflight import InflightLedger
 from cluster.liveness import AttemptFailed, Cancelled, Liveness, Waits, let_go
 from cluster.outputs import Placement
 from cluster.routing import Route
+from engine.cache_keys import cache_keys
 from engine.errors import InvalidRequestError
 from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
@@ -161,7 +162,8 @@ class Attempt:
                 answer += out.token_ids
                 if out.finished and out.finish_reason in ("stop", "length") and self.seam.write_back:
                     # the next turn's prefill, on this prefill worker, then finds the answer cached too
-                    self._keep(self.decode.write_back.remote(f"{rid}.wb", self.prompt + answer, prefill))
+                    keys = cache_keys(self.prompt + answer, len(self.prompt), self.params)
+                    self._keep(self.decode.write_back.remote(f"{rid}.wb", keys, prefill))
                 yield out
 
     def _whole(self) -> Iterator[TokenOutput]:

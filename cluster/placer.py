@@ -17,6 +17,7 @@ from cluster.routing import Route, RoutingPolicy, plan_route
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
 from cluster.worker_view import WorkerView
+from engine.cache_keys import cache_keys
 from engine.errors import EngineError
 from engine.kv_cache import prefix_hashes
 from engine.sampling_params import SamplingParams
@@ -71,7 +72,7 @@ class Placer:
         live = view.live()
         # prefill workers for the P/D route, decode workers for the local one (cluster.routing)
         indexed = [w for w, info in live.items() if info.get("role") in ("prefill", "decode") and w not in exclude]
-        cached = self._cached_blocks(prompt_ids, indexed, view) if indexed else {}
+        cached = self._cached_blocks(prompt_ids, params, indexed, view) if indexed else {}
         with self._lock:  # plan and hold as one step, so that a burst sees each other's picks
             loads = self._ledger.loads(live)
             views = [WorkerView.of(wid, info, loads[wid]) for wid, info in live.items()]
@@ -85,9 +86,11 @@ class Placer:
             self._ledger.hold(route.decode, route.prefill, blocks, uncached)
         return route
 
-    def _cached_blocks(self, prompt_ids: Sequence[int], workers: list[str], view: ClusterView) -> dict[str, int]:
+    def _cached_blocks(
+        self, prompt_ids: Sequence[int], params: SamplingParams, workers: list[str], view: ClusterView
+    ) -> dict[str, int]:
         """The prefix index's answer, or nothing cached if Redis does not answer at once."""
-        hashes = prefix_hashes(list(prompt_ids), self._block_size)
+        hashes = prefix_hashes(cache_keys(prompt_ids, len(prompt_ids), params), self._block_size)
         if not hashes or not view.state_ok:
             return {}
         try:

@@ -108,12 +108,13 @@ class DecodeWorker(WorkerBase):
         )
 
     def send_write_back(
-        self, request_id: str, token_ids: Sequence[int], reserve: Reserve, adopt: Adopt
+        self, request_id: str, keys: Sequence[int], reserve: Reserve, adopt: Adopt
     ) -> WriteBackResult | None:
-        """Copy the KV of a finished turn (`token_ids`: its prompt and answer) that a prefill worker
-        lacks into that worker's prefix cache; `reserve` and `adopt` call it (kv_transfer/write_back.py)."""
+        """Copy the KV of a finished turn (`keys`: its prompt and answer as the prefix cache hashes
+        them, engine/cache_keys.py) that a prefill worker lacks into that worker's prefix cache;
+        `reserve` and `adopt` call it (kv_transfer/write_back.py)."""
         self._check_open()
-        return self.write_back_source.push(request_id, token_ids, reserve, adopt)
+        return self.write_back_source.push(request_id, keys, reserve, adopt)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

@@ -166,25 +166,25 @@ class Engine:
 
     # ---- write-back: a finished answer's KV copied into another engine's prefix cache ----------
 
-    def hold_cached(self, holder_id: str, token_ids: Sequence[int]) -> list[int]:
+    def hold_cached(self, holder_id: str, keys: Sequence[int]) -> list[int]:
         """The source side: `KVCacheManager.hold_cached`, until `release(holder_id)`."""
         self._check_new_id(holder_id)
         self._reserved.add(holder_id)
-        return self.kv.hold_cached(holder_id, token_ids)
+        return self.kv.hold_cached(holder_id, keys)
 
-    def reserve_uncached(self, request_id: str, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+    def reserve_uncached(self, request_id: str, keys: Sequence[int]) -> tuple[int, list[int]]:
         """The target side: `KVCacheManager.reserve_uncached`, then `adopt` or `release`."""
         self._check_new_id(request_id)
-        cached, blocks = self.kv.reserve_uncached(request_id, token_ids)
+        cached, blocks = self.kv.reserve_uncached(request_id, keys)
         self._reserved.add(request_id)
         return cached, blocks
 
-    def adopt(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def adopt(self, request_id: str, keys: Sequence[int]) -> None:
         """Blocks of a `reserve_uncached`, now written: hashed into the prefix cache, then freed,
         where they stay cached until evicted. Raises InvalidRequestError."""
         if request_id not in self._reserved:
             raise InvalidRequestError(f"no reservation for request {request_id!r}", "request_id")
-        self.kv.cache_full_blocks(request_id, token_ids, len(self.kv.block_table(request_id)) * self.config.block_size)
+        self.kv.cache_full_blocks(request_id, keys, len(self.kv.block_table(request_id)) * self.config.block_size)
         self.release(request_id)
 
     # ---- the loop -------------------------------------------------------------------------

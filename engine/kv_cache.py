@@ -13,7 +13,9 @@ __all__ = ["BlockPool", "KVCacheManager", "hash_block_tokens", "prefix_hashes"]
 
 
 class KVCacheManager:
-    """Owns per-request block tables (and their prefix hashes) on top of a BlockPool."""
+    """Owns per-request block tables (and their prefix hashes) on top of a BlockPool. The
+    `token_ids` it hashes are cache keys (engine/cache_keys.py): token ids, flagged where a decode
+    row computed the KV."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from engine.cache_keys import DECODE_ROW, cache_keys, decode_from
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class Request:
     num_draft_tokens: int = 0  # draft tokens verified so far, and accepted
     num_accepted_tokens: int = 0
     hands_off: bool = False  # a prefill engine's: it stops at its first token, its blocks held for the transfer
+    _keys: list[int] = field(default_factory=list, repr=False)  # cache_keys(), as far as computed
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -60,7 +62,16 @@ class Request:
         of earlier runs that it carries (`SamplingParams.output_offset`: a replay appends them to
         its prompt). Every position from here on runs as decode rows, whatever the step, so the
         KV of a replayed or recomputed answer is bit for bit the KV its decode steps wrote."""
-        return max(0, self.num_prompt_tokens - self.params.output_offset)
+        return decode_from(self.num_prompt_tokens, self.params)
+
+    def cache_keys(self) -> list[int]:
+        """`token_ids` as the prefix cache hashes them (engine/cache_keys.py), extended as the
+        tokens grow; the caller does not change the list."""
+        if not self._keys:
+            self._keys = cache_keys(self.token_ids, self.num_prompt_tokens, self.params)
+        elif len(self._keys) < len(self.token_ids):  # decoded outputs
+            self._keys += [t | DECODE_ROW for t in self.token_ids[len(self._keys) :]]
+        return self._keys
 
     def run_from(self, pos: int) -> tuple[bool, int]:
         """Whether position `pos` runs as decode rows (an answer's: from `decode_from` on, or in
@@ -68,7 +79,7 @@ class Request:
         other way, or the end of the tokens."""
         if pos >= self.decode_from:
             return True, self.num_tokens
-        for start, end in self.params.decoded:
+        for start, end in () if self.params.decoded_as_prompt else self.params.decoded:
             if pos < start:
                 return False, min(start, self.decode_from)
             if pos < end:

@@ -23,7 +23,9 @@ class SamplingParams:
     decoded: spans [start, end) of prompt positions a decode wrote in an earlier turn (the
     conversation's earlier answers, as the router finds them in the chat template): they run as
     decode rows (engine/scheduler.py), so a turn's answer does not depend on whether the prefix
-    cache still held those answers' KV.
+    cache still held those answers' KV. `decoded_as_prompt`: they run as prompt rows all the
+    same (`tandem serve --fast-history`: a cold turn is faster, and may answer otherwise than a
+    warm one), and still hash as decoded (engine/cache_keys.py).
     """
 
     max_tokens: int = 16
@@ -40,6 +42,7 @@ class SamplingParams:
     output_offset: int = 0
     speculate: bool = True  # False: no draft is verified for this request (engine/speculation.py)
     decoded: tuple[tuple[int, int], ...] = ()
+    decoded_as_prompt: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -131,7 +131,7 @@ class Scheduler:
             req = self._waiting[0][1]
             external_kv = self.kv.has_request(req.request_id)
             if not external_kv:
-                req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.token_ids)
+                req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.cache_keys())
                 req.num_cached_tokens = req.num_computed_tokens
             n = self._chunk(req, budget)
             if n == 0 or not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
@@ -189,7 +189,7 @@ class Scheduler:
             if c.draft:
                 continue
             c.request.num_computed_tokens = c.end
-            self.kv.cache_full_blocks(c.request.request_id, c.request.token_ids, c.end)
+            self.kv.cache_full_blocks(c.request.request_id, c.request.cache_keys(), c.end)
 
     def finish(self, req: Request, reason: str, free_blocks: bool = True) -> None:
         """Remove a request wherever it is. With free_blocks=False its blocks stay held

@@ -208,7 +208,7 @@ class Speculator:
                 break
         if not outs[-1].finished:  # the last emitted token has no KV yet, as after any decode
             req.num_computed_tokens = c.start + 1 + n
-            self.kv.cache_full_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_full_blocks(req.request_id, req.cache_keys(), req.num_computed_tokens)
             self.kv.trim(req.request_id, req.num_tokens)
         last = outs[-1]
         return replace(

@@ -52,7 +52,7 @@ class WriteBackResult:
     seconds: float
 
 
-# the calls to the target a source makes: its reserve_uncached and adopt, given the tokens
+# the calls to the target a source makes: its reserve_uncached and adopt, given the cache keys
 Reserve = Callable[[list[int]], WriteBackTicket | None]
 Adopt = Callable[[list[int]], None]
 
@@ -61,13 +61,13 @@ Adopt = Callable[[list[int]], None]
 
 
 def reserve_uncached(
-    receiver: KVReceiver, request_id: str, token_ids: Sequence[int], lease_s: float | None = None
+    receiver: KVReceiver, request_id: str, keys: Sequence[int], lease_s: float | None = None
 ) -> WriteBackTicket | None:
-    """Reserve what the target's cache lacks of `token_ids`' full blocks; None when it lacks
+    """Reserve what the target's cache lacks of `keys`' full blocks; None when it lacks
     nothing. Raises NoFreeBlocksError, KVTransferError."""
     receiver.check_unreserved(request_id)
     with receiver.engine_lock:
-        cached, blocks = receiver.engine.reserve_uncached(request_id, token_ids)
+        cached, blocks = receiver.engine.reserve_uncached(request_id, keys)
         if not blocks:
             receiver.engine.release(request_id)
             return None
@@ -75,9 +75,9 @@ def reserve_uncached(
     return WriteBackTicket(res.SerializeToString(), cached)
 
 
-def adopt(receiver: KVReceiver, request_id: str, token_ids: Sequence[int]) -> None:
-    """A committed write-back into the target's prefix cache. `token_ids`: as reserved."""
-    receiver.hand_over(request_id, lambda _: receiver.engine.adopt(request_id, token_ids))
+def adopt(receiver: KVReceiver, request_id: str, keys: Sequence[int]) -> None:
+    """A committed write-back into the target's prefix cache. `keys`: as reserved."""
+    receiver.hand_over(request_id, lambda _: receiver.engine.adopt(request_id, keys))
 
 
 # ---- the source (a decode worker) ------------------------------------------------------------
@@ -91,18 +91,19 @@ class WriteBackSource:
         self.lock = lock
         self.clients = clients
 
-    def push(self, request_id: str, token_ids: Sequence[int], reserve: Reserve, adopt: Adopt) -> WriteBackResult | None:
-        """Copy the KV of `token_ids` that this engine holds and the target lacks. `reserve` and
+    def push(self, request_id: str, keys: Sequence[int], reserve: Reserve, adopt: Adopt) -> WriteBackResult | None:
+        """Copy the KV of `keys` (a turn's prompt and answer as the prefix cache hashes them,
+        engine/cache_keys.py) that this engine holds and the target lacks. `reserve` and
         `adopt` call the target (its `reserve_uncached` and `adopt` under `request_id`). None when
         there was nothing to send. Raises KVTransferError, or what `reserve` and `adopt` raise."""
         t0 = time.monotonic()
         bs = self.engine.config.block_size
         hold = f"{request_id}.hold"
         with self.lock:
-            held = self.engine.hold_cached(hold, token_ids)
+            held = self.engine.hold_cached(hold, keys)
         try:
-            tokens = list(token_ids[: len(held) * bs])
-            ticket = reserve(tokens) if held else None
+            sent = list(keys[: len(held) * bs])
+            ticket = reserve(sent) if held else None
             if ticket is None:
                 return None
             res = pb.ReserveResponse.FromString(ticket.reservation)
@@ -119,7 +120,7 @@ class WriteBackSource:
             except BaseException as e:
                 push.abort(f"write-back failed: {type(e).__name__}")
                 raise
-            adopt(tokens)
+            adopt(sent)
             return WriteBackResult(len(src), stats.bytes, time.monotonic() - t0)
         finally:
             with self.lock:

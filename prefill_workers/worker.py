@@ -77,14 +77,14 @@ class PrefillWorker(WorkerBase):
 
     # ---- write-back (kv_transfer/write_back.py): decode workers copy answers' KV in here --------
 
-    def reserve_write_back(self, request_id: str, token_ids: list[int]) -> WriteBackTicket | None:
-        """Reserve what this cache lacks of `token_ids`' full blocks (None: nothing)."""
+    def reserve_write_back(self, request_id: str, keys: list[int]) -> WriteBackTicket | None:
+        """Reserve what this cache lacks of `keys`' full blocks (None: nothing)."""
         self._check_open()
-        return write_back.reserve_uncached(self._receiver(), request_id, token_ids)
+        return write_back.reserve_uncached(self._receiver(), request_id, keys)
 
-    def adopt_write_back(self, request_id: str, token_ids: list[int]) -> None:
+    def adopt_write_back(self, request_id: str, keys: list[int]) -> None:
         """A committed write-back into the prefix cache."""
-        write_back.adopt(self._receiver(), request_id, token_ids)
+        write_back.adopt(self._receiver(), request_id, keys)
 
     def _receiver(self) -> KVReceiver:
         """This worker's KV endpoint, started on the first write-back."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import jinja2
@@ -101,6 +101,7 @@ class _Common(_Body):
             priority=self.priority,
             speculate=self.speculate,
             decoded=prompt.decoded,
+            decoded_as_prompt=prompt.decoded_as_prompt,
         )
 
 
@@ -138,10 +139,11 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
-    def prompt_tokens(self, model: ModelInfo, mark_answers: bool = True) -> PromptTokens:
+    def prompt_tokens(self, model: ModelInfo, exact_history: bool = True) -> PromptTokens:
         """The messages through the model's chat template, then the tokenizer, with the spans of
-        the earlier answers (SamplingParams.decoded) if `mark_answers`. Raises
-        InvalidRequestError (400) for whatever the template or the tokenizer refuses."""
+        the earlier answers (SamplingParams.decoded), to be prefilled all the same unless
+        `exact_history`. Raises InvalidRequestError (400) for whatever the template or the
+        tokenizer refuses."""
         messages = [m.as_template_input() for m in self.messages]
         try:
             text = model.tokenizer.apply_chat_template(messages)
@@ -154,7 +156,8 @@ class ChatCompletionRequest(_Common):
         except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
             log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
             raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
-        return _encode(model, text, "messages", _answers(model, messages, text) if mark_answers else ())
+        prompt = _encode(model, text, "messages", _answers(model, messages, text))
+        return prompt if exact_history or not prompt.decoded else replace(prompt, decoded_as_prompt=True)
 
     @property
     def prompt_chars(self) -> int:
@@ -217,6 +220,7 @@ class PromptTokens:
 
     ids: list[int]
     decoded: tuple[tuple[int, int], ...] = ()  # SamplingParams.decoded
+    decoded_as_prompt: bool = False  # SamplingParams.decoded_as_prompt
 
 
 def _answers(model: ModelInfo, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:

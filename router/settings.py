@@ -45,6 +45,7 @@ class RouterSettings(BaseModel):
     cross_pool: bool = RoutingPolicy.cross_pool  # see RoutingPolicy
     # a chat's earlier answers run as decode rows, as they were written (SamplingParams.decoded):
     # a turn then answers alike with its history cached or not; False prefills them, faster cold
+    # (SamplingParams.decoded_as_prompt; they are marked all the same, so a warm turn reuses them)
     exact_history: bool = True
     max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     min_priority: int = -100

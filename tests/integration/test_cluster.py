@@ -19,6 +19,7 @@ import ray
 from cluster.cluster import Cluster, ClusterConfig, NoRoomError
 from cluster.outputs import StreamOutput
 from cluster.routing import RoutingPolicy
+from engine.cache_keys import cache_keys
 from engine.config import EngineConfig
 from engine.core_ledger import _SLOT, ledger_path
 from engine.engine import Engine
@@ -210,7 +211,7 @@ def test_next_turn_runs_on_the_decode_worker_that_wrote_the_answer(cluster: Clus
     assert first[0].placement is not None
     holder = first[0].placement.decode_worker
     bs = cluster.config.engine.block_size
-    hashes = prefix_hashes(ids + answer[:-1], bs)  # the last token sampled is never run
+    hashes = prefix_hashes(cache_keys(ids + answer[:-1], len(ids), params), bs)  # the last token sampled is never run
     until(lambda: cluster.state.longest_prefix(hashes, [holder]).get(holder, 0) == len(hashes), 10, "the index")
     turn2 = ids + answer + tok.encode("<|im_end|>\n<|im_start|>user\nAnd a fourth?<|im_end|>\n<|im_start|>assistant\n")
     marked = dataclasses.replace(GREEDY, decoded=((len(ids), len(ids) + len(answer)),))
@@ -315,7 +316,7 @@ def test_write_back_puts_the_answer_in_the_prefill_workers_cache(cluster: Cluste
     assert placement is not None and placement.prefill_worker != placement.decode_worker
     writer = placement.prefill_worker
     bs = cluster.config.engine.block_size
-    hashes = prefix_hashes(ids + answer[:-1], bs)  # what the decode worker ran
+    hashes = prefix_hashes(cache_keys(ids + answer[:-1], len(ids), params), bs)  # what the decode worker ran
     until(lambda: cluster.state.longest_prefix(hashes, [writer]).get(writer, 0) == len(hashes), 10, "the write-back")
     cluster.check_integrity()  # the write-back's blocks: cached at ref 0 on the prefill side, held by none
     turn2 = ids + answer + tok.encode("<|im_end|>\n<|im_start|>user\nAnd a fourth?<|im_end|>\n<|im_start|>assistant\n")

@@ -224,8 +224,10 @@ def test_int8_replays_and_preemption_give_the_uninterrupted_tokens_and_logprobs(
 def test_int8_a_second_turn_answers_alike_with_the_first_cached_or_not(engine_int8: Engine) -> None:
     """int8: a second turn whose prompt holds the first answer, marked as the router marks it
     (`Tokenizer.encode_marking`, SamplingParams.decoded), gives the same tokens and logprobs
-    whether the cache still holds the first turn's KV (as decode rows wrote it) or not. Unmarked,
-    that answer was prefilled cold: 2 of 6 such chats had kept the cached run's answer."""
+    whether the cache still holds the first turn's KV (as decode rows wrote it) or not. Unmarked
+    (a completions prompt), the answer is prefilled warm as cold: the cache's blocks say how their
+    KV was computed (engine/cache_keys.py), and the answer's are not this prompt's. Before they
+    did, an unmarked second turn hit the decode rows' KV: 2 of 6 such chats answered as cold."""
     from dataclasses import replace
 
     warm = engine_int8
@@ -245,6 +247,10 @@ def test_int8_a_second_turn_answers_alike_with_the_first_cached_or_not(engine_in
         assert hit.num_cached_tokens > spans[0][0] and miss.num_cached_tokens == 0
         assert hit.token_ids == miss.token_ids
         assert [x.logprob for x in hit.logprobs] == [x.logprob for x in miss.logprobs]
+        plain, plain_cold = warm.generate([ids], params)[0], cold.generate([ids], params)[0]
+        assert 0 < plain.num_cached_tokens <= spans[0][0], "the first prompt's blocks hit, the answer's not"
+        assert plain.token_ids == plain_cold.token_ids
+        assert [x.logprob for x in plain.logprobs] == [x.logprob for x in plain_cold.logprobs]
         warm.check_integrity()
         cold.check_integrity()
 

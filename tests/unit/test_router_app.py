@@ -239,10 +239,11 @@ def test_a_chats_earlier_answers_reach_the_engine_as_decoded_spans(backend: Fake
     tok = backend.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages))
     spans = backend.params[-1].decoded
+    assert not backend.params[-1].decoded_as_prompt  # run as decode rows
     assert [tok.decode(ids[a:b]) for a, b in spans] == answers
     assert spans[0][0] == len(tok.encode(tok.apply_chat_template(messages[:1])))  # where turn 1 answered, not the quote
     assert c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2}).status_code == 200
     assert backend.params[-1].decoded == ()  # no earlier answer
-    fast = client(backend, exact_history=False)  # tandem serve --fast-history
+    fast = client(backend, exact_history=False)  # tandem serve --fast-history: marked, to be prefilled
     assert fast.post(CHAT, json={"model": "fake-model", "messages": messages, "max_tokens": 2}).status_code == 200
-    assert backend.params[-1].decoded == ()
+    assert backend.params[-1].decoded == spans and backend.params[-1].decoded_as_prompt

@@ -52,7 +52,7 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) 
         for req in engine.scheduler.running:  # only verified tokens are hashed
             hashes = engine.kv.block_hashes(req.request_id)
             assert len(hashes) <= req.num_computed_tokens // BS
-            assert hashes == prefix_hashes(req.token_ids[: len(hashes) * BS], BS)
+            assert hashes == prefix_hashes(req.cache_keys()[: len(hashes) * BS], BS)
     return outs
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
+from engine.cache_keys import cache_keys
 from engine.config import EngineConfig
 from engine.errors import NoFreeBlocksError
 from engine.kv_cache import KVCacheManager, prefix_hashes
@@ -43,18 +44,25 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
         w.shutdown()
 
 
-def turn(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+def turn(
+    p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int], params: SamplingParams = GREEDY
+) -> tuple[list[int], int]:
     """One P/D turn: its answer and the tokens the prefill worker found cached."""
-    out = p.prefill(rid, prompt, GREEDY, d.reserve(rid, len(prompt)))
-    answer = [t for o in d.generate(rid, prompt, out.first.token_ids[0], GREEDY) for t in o.token_ids]
+    out = p.prefill(rid, prompt, params, d.reserve(rid, len(prompt)))
+    answer = [t for o in d.generate(rid, prompt, out.first.token_ids[0], params) for t in o.token_ids]
     return answer, out.cached_tokens
 
 
-def write_back(p: PrefillWorker, d: DecodeWorker, rid: str, tokens: list[int]) -> WriteBackResult | None:
+def write_back(
+    p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int], answer: list[int]
+) -> WriteBackResult | None:
+    """The turn's KV copied back, named by its cache keys as cluster.handoff sends them."""
+
     def reserve(ts: list[int]) -> WriteBackTicket | None:
         return p.reserve_write_back(rid, ts)
 
-    return d.send_write_back(rid, tokens, reserve, lambda ts: p.adopt_write_back(rid, ts))
+    keys = cache_keys(prompt + answer, len(prompt), GREEDY)
+    return d.send_write_back(rid, keys, reserve, lambda ts: p.adopt_write_back(rid, ts))
 
 
 def check(*workers: PrefillWorker | DecodeWorker | ColocatedWorker) -> None:
@@ -68,20 +76,22 @@ def test_the_next_turn_prefills_only_its_new_message(workers: Workers) -> None:
     prompt = [(13 * i + 5) % 128 for i in range(18)]
     answer, _ = turn(p, d, "t1", prompt)
     p.pop_block_events()
-    res = write_back(p, d, "t1.wb", prompt + answer)
+    res = write_back(p, d, "t1.wb", prompt, answer)
     check(p, d)
     # the decode engine ran prompt + answer[:-1]; the prefill side had the prompt's 4 full blocks
     written = (len(prompt) + len(answer) - 1) // BS
     assert res is not None and res.blocks == written - len(prompt) // BS and res.bytes > 0
     stored, _ = p.pop_block_events()
-    assert stored == prefix_hashes(prompt + answer, BS)[len(prompt) // BS : written], "adopted blocks are indexed"
+    keys = cache_keys(prompt + answer, len(prompt), GREEDY)
+    assert stored == prefix_hashes(keys, BS)[len(prompt) // BS : written], "adopted blocks are indexed"
 
     nxt = prompt + answer + [9, 8, 7, 6, 5]
-    again, cached = turn(p, d, "t2", nxt)
+    marked = replace(GREEDY, decoded=((len(prompt), len(prompt) + len(answer)),))  # as the router marks a chat's
+    again, cached = turn(p, d, "t2", nxt, marked)
     assert cached == written * BS
-    assert again == [t for o in c.generate("cold", nxt, GREEDY) for t in o.token_ids], "equal to a cold run"
+    assert again == [t for o in c.generate("cold", nxt, marked) for t in o.token_ids], "equal to a cold run"
     check(p, d, c)
-    assert write_back(p, d, "t1.wb2", prompt + answer) is None, "nothing left to send"
+    assert write_back(p, d, "t1.wb2", prompt, answer) is None, "nothing left to send"
     check(p, d)
 
 
@@ -94,7 +104,7 @@ def test_a_failed_write_back_frees_both_sides(workers: Workers) -> None:
         raise RuntimeError("target gone")
 
     with pytest.raises(RuntimeError):
-        d.send_write_back("f1.a", prompt + answer, refused, lambda _: None)
+        d.send_write_back("f1.a", cache_keys(prompt + answer, len(prompt), GREEDY), refused, lambda _: None)
     check(p, d)
 
     def dropped(ts: list[int]) -> WriteBackTicket | None:  # the target lets go before the push
@@ -107,7 +117,9 @@ def test_a_failed_write_back_frees_both_sides(workers: Workers) -> None:
         return ticket
 
     with pytest.raises(KVTransferError):
-        d.send_write_back("f1.b", prompt + answer, dropped, lambda ts: p.adopt_write_back("f1.b", ts))
+        d.send_write_back(
+            "f1.b", cache_keys(prompt + answer, len(prompt), GREEDY), dropped, lambda ts: p.adopt_write_back("f1.b", ts)
+        )
     check(p, d)
     with pytest.raises(KVTransferError):  # no committed transfer to adopt
         p.adopt_write_back("f1.c", prompt)
