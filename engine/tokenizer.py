@@ -160,11 +160,12 @@ class Tokenizer:
         of `text`) the span [start, end) of the tokens that lie wholly inside it; a mark with no
         whole token in it gives none."""
         enc = self._backend.encode(text, add_special_tokens=True)
-        starts = [s for s, _ in enc.offsets]
+        offsets = enc.offsets  # a new list on every read of the attribute: read once
+        starts = [s for s, _ in offsets]
         spans: list[tuple[int, int]] = []
         for begin, end in marks:
             first = k = bisect.bisect_left(starts, begin)
-            while k < len(starts) and enc.offsets[k][1] <= end:
+            while k < len(starts) and offsets[k][1] <= end:
                 k += 1
             if k > first:
                 spans.append((first, k))

@@ -225,22 +225,26 @@ class PromptTokens:
 
 def _answers(model: ModelInfo, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
     """Where each assistant message's content lies in `text` (the messages templated), as
-    character spans: looked for from the end of the template's rendering of the messages before
-    it (so a user's quote of it does not count), else from the end of the last one found."""
+    character spans: looked for from the end of the last one found. Where it occurs there more
+    than once (a user may have quoted it first), from the end of the template's rendering of the
+    messages before it, when that rendering begins `text`. Rendering those for every answer cost
+    O(turns^2): 77 ms of a 200-turn chat's 99 ms to tokenize, where a search costs well under 1."""
     marks: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or not m["content"]:
+        content = m["content"]
+        if m["role"] != "assistant" or not content:
             continue
         at = marks[-1][1] if marks else 0
-        try:
-            before = model.tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False) if i else ""
-            if text.startswith(before):
-                at = max(at, len(before))
-        except Exception:  # a template that refuses the shorter conversation: look from `at`
-            pass
-        found = text.find(m["content"], at)
+        found = text.find(content, at)
+        if found >= 0 and text.find(content, found + 1) >= 0:
+            try:
+                before = model.tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False)
+                if text.startswith(before):
+                    found = text.find(content, max(at, len(before)))
+            except Exception:  # a template that refuses the shorter conversation: the first found
+                pass
         if found >= 0:
-            marks.append((found, found + len(m["content"])))
+            marks.append((found, found + len(content)))
     return marks
 
 
