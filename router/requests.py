@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+from router.answer_marks import answer_spans
 from router.backend import ModelInfo
 from router.errors import REQUEST_ID, APIError
 
@@ -156,7 +157,7 @@ class ChatCompletionRequest(_Common):
         except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
             log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
             raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
-        prompt = _encode(model, text, "messages", _answers(model, messages, text))
+        prompt = _encode(model, text, "messages", answer_spans(model.tokenizer, messages, text))
         return prompt if exact_history or not prompt.decoded else replace(prompt, decoded_as_prompt=True)
 
     @property
@@ -221,31 +222,6 @@ class PromptTokens:
     ids: list[int]
     decoded: tuple[tuple[int, int], ...] = ()  # SamplingParams.decoded
     decoded_as_prompt: bool = False  # SamplingParams.decoded_as_prompt
-
-
-def _answers(model: ModelInfo, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
-    """Where each assistant message's content lies in `text` (the messages templated), as
-    character spans: looked for from the end of the last one found. Where it occurs there more
-    than once (a user may have quoted it first), from the end of the template's rendering of the
-    messages before it, when that rendering begins `text`. Rendering those for every answer cost
-    O(turns^2): 77 ms of a 200-turn chat's 99 ms to tokenize, where a search costs well under 1."""
-    marks: list[tuple[int, int]] = []
-    for i, m in enumerate(messages):
-        content = m["content"]
-        if m["role"] != "assistant" or not content:
-            continue
-        at = marks[-1][1] if marks else 0
-        found = text.find(content, at)
-        if found >= 0 and text.find(content, found + 1) >= 0:
-            try:
-                before = model.tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False)
-                if text.startswith(before):
-                    found = text.find(content, max(at, len(before)))
-            except Exception:  # a template that refuses the shorter conversation: the first found
-                pass
-        if found >= 0:
-            marks.append((found, found + len(content)))
-    return marks
 
 
 def _encode(model: ModelInfo, text: str, param: str, answers: Sequence[tuple[int, int]] = ()) -> PromptTokens:
