@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Encoding, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from engine.errors import InvalidRequestError
@@ -150,8 +150,15 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text such as `<|im_start|>` maps to its single id."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
+        ids: list[int] = self._encoding(text).ids
         return ids
+
+    def _encoding(self, text: str) -> Encoding:
+        """The backend's encoding of `text`, made with the GIL released: its `encode` holds it, and
+        a 2 MB prompt tokenized on a router's thread stalled its event loop, and every stream it
+        sends, for 0.65 s; `encode_batch` gives the same ids and offsets."""
+        enc: Encoding = self._backend.encode_batch([text], add_special_tokens=True)[0]
+        return enc
 
     def encode_marking(
         self, text: str, marks: Sequence[tuple[int, int]]
@@ -159,7 +166,7 @@ class Tokenizer:
         """`encode(text)`, and for each of `marks` (sorted, disjoint character spans [start, end)
         of `text`) the span [start, end) of the tokens that lie wholly inside it; a mark with no
         whole token in it gives none."""
-        enc = self._backend.encode(text, add_special_tokens=True)
+        enc = self._encoding(text)
         offsets = enc.offsets  # a new list on every read of the attribute: read once
         starts = [s for s, _ in offsets]
         spans: list[tuple[int, int]] = []
