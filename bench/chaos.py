@@ -2,8 +2,9 @@
 
 Scenarios (bench.chaos_scenarios, bench.chaos_control): a decode worker SIGKILLed mid-stream
 (one of two, and the only one), a prefill worker SIGKILLed mid-transfer, a decode worker
-SIGSTOPped for 15 s, the embedded Redis SIGKILLed, the pool manager SIGKILLed, a second router
-joining the pools and leaving, clients hanging up while queued and in prefill. Each runs its load
+SIGSTOPped for 15 s, a prefill worker SIGSTOPped for 15 s mid-transfer, the embedded Redis
+SIGKILLed, the pool manager SIGKILLed, a second router joining the pools and leaving, clients
+hanging up while queued and in prefill. Each runs its load
 undisturbed first: that run is the baseline its added latency is measured against, and the
 reference its answers must equal.
 Per scenario: completed / errored / hung, added p99 latency, time to recovery, blocks held

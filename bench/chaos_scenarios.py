@@ -142,6 +142,42 @@ def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
                    facts={**facts, "retried": len(affected)})  # fmt: skip
 
 
+def prefill_stop(c: Chaos, n: int = 8, stop_s: float = 15.0) -> ScenarioResult:
+    """2 prefill workers, n long prompts; SIGSTOP one while it prefills and streams KV (a long GC
+    pause, a stalled VM), for `stop_s`, then SIGCONT. Its prompts are retried on the other worker
+    before it wakes; what it finishes after waking goes nowhere and frees its blocks. As in
+    prefill_kill, the faulted run's prompts are new and their reference texts come after it."""
+    c.pools(prefill=2, decode=1)
+    prompts = c.prompts(n, "prefill-stop", words=300)
+    base = run_streams(c.client, c.prompts(n, "prefill-stop-base", words=300))
+    t_fault = 0.0
+
+    def fault(streams: list[Stream]) -> None:
+        nonlocal t_fault
+        busy: list[str] = []
+
+        def prefilling() -> bool:
+            busy[:] = [p for p in c.workers("prefill") if c.cluster.ledger.load(p).prefill_tokens > 0]
+            return len(busy) > 0
+
+        until(prefilling, 60, "a prefill in flight")
+        time.sleep(0.2)  # into the prompt, with layers on the wire
+        pid = c.signal(busy[0], signal.SIGSTOP)
+        t_fault = time.monotonic()
+        time.sleep(stop_s)
+        with contextlib.suppress(ProcessLookupError):  # the pool manager may have killed it: also fine
+            os.kill(pid, signal.SIGCONT)
+
+    run = c.streamed_with(prompts, fault)
+    affected = [s for s in run if int(s.timing.get("attempts", 1)) > 1 or int(s.timing.get("migrations", 0))]
+    recovery = c.whole_again(t_fault, prefill=2, decode=1)
+    facts = same_answers(run_streams(c.client, prompts), run, c.client.max_tokens)
+    facts["retried"] = len(affected)
+    facts["affected_first_token_max_s"] = max((resumed_after(s, t_fault) for s in affected), default=0.0)
+    return outcome("prefill SIGSTOP", base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(),
+                   facts=facts)  # fmt: skip
+
+
 def resumed_after(s: Stream, t: float) -> float:
     """Seconds from t to the stream's first token after it (to its end, where none came)."""
     return next((x for x in s.token_times if x > t), s.end) - t
@@ -229,6 +265,7 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "only-decode-kill": only_decode_kill,
     "prefill-kill": prefill_kill,
     "decode-stop": decode_stop,
+    "prefill-stop": prefill_stop,
     "redis-kill": redis_kill,
     "manager-kill": manager_kill,
     "second-router": second_router,

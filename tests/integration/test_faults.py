@@ -19,7 +19,7 @@ import pytest
 
 from bench.chaos_control import manager_kill, redis_kill, second_router
 from bench.chaos_harness import Chaos, ScenarioResult
-from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_decode_kill, prefill_kill
+from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_decode_kill, prefill_kill, prefill_stop
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.manager_link import CannotJoinError
@@ -73,6 +73,14 @@ def test_decode_worker_frozen_for_15_s(chaos: Chaos) -> None:
     assert r.facts["same_text"] == 16 and r.facts["migrated"] > 0, r.facts
     assert r.facts["affected_resumed_max_s"] < 15.0, "the frozen worker's streams moved before it woke up"
     assert 0 < r.facts["others_tpot_ratio"] <= 2.0, r.facts
+
+
+def test_prefill_worker_frozen_for_15_s(chaos: Chaos) -> None:
+    r = prefill_stop(chaos, n=8, stop_s=15.0)
+    clean(r)  # held_blocks 0: what it prefilled after waking, for reservations long gone, was freed
+    assert r.facts["same_text"] == r.facts["usage_exact"] == 8, r.facts
+    assert r.facts["retried"] > 0, f"the frozen worker had prefills in flight, retried elsewhere: {r.facts}"
+    assert r.facts["affected_first_token_max_s"] < 15.0, "its prompts moved before it woke up"
 
 
 def test_redis_killed_under_load(chaos: Chaos) -> None:
