@@ -47,6 +47,7 @@ class Tokenizer:
         stop_token_ids: frozenset[int],
         special_token_ids: frozenset[int],
         chat_template: str | None,
+        max_token_chars: int | None = None,
     ) -> None:
         self._backend = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -56,6 +57,8 @@ class Tokenizer:
         self.special_token_ids = special_token_ids
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        # the most characters one token covers, where that bounds a text's token count (fewest_tokens)
+        self.max_token_chars = max_token_chars
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -106,6 +109,9 @@ class Tokenizer:
             stop_token_ids=frozenset(stops),
             special_token_ids=frozenset(control),
             chat_template=meta.get("tokenizer.chat_template"),
+            # byte-level: a token covers its spelling's bytes, every byte is in the alphabet, and
+            # nothing normalizes the text first, so no token covers more characters than this
+            max_token_chars=max(len(t) for t in tokens),
         )
 
     @classmethod
@@ -147,6 +153,12 @@ class Tokenizer:
             special_token_ids=special,
             chat_template=template,
         )
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on `encode(text)`'s length, in O(1): 0 where this tokenizer gives none (a
+        vocabulary that may make one unknown token of a whole word, a normalizer that may shrink
+        the text)."""
+        return -(-len(text) // self.max_token_chars) if self.max_token_chars else 0
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text such as `<|im_start|>` maps to its single id."""

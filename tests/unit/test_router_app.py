@@ -275,3 +275,25 @@ def test_a_long_chats_answers_are_marked_without_rendering_its_history_again_for
     ids = tok.encode(render(messages))
     assert [tok.decode(ids[a:b]) for a, b in long.params[-1].decoded] == answers
     assert renders == [len(messages)] * 2, "the chat, then the chat with placeholders (router/answer_marks.py)"
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(
+    backend: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More characters than the context's tokens could cover (81 a token, the longest): a 413 at
+    once, where counting a 2 MB prompt's tokens took 0.7-1.4 s. Just past the context, the exact
+    count, as before."""
+    tok = backend.tokenizer
+    encoded: list[int] = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    c = client(backend)
+    far = "word " * (81 * 512 // 5 + 1)  # 512: the fake backend's context
+    r = c.post("/v1/completions", json={"model": "fake-model", "prompt": far, "max_tokens": 2})
+    assert r.status_code == 413 and "at least 513 tokens" in r.json()["error"]["message"] and encoded == []
+    r = c.post(CHAT, json={"model": "fake-model", "messages": [{"role": "user", "content": far}], "max_tokens": 2})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "messages" and encoded == []
+    near = "word " * 600
+    r = c.post("/v1/completions", json={"model": "fake-model", "prompt": near, "max_tokens": 2})
+    assert r.status_code == 413 and "the prompt has 601 tokens" in r.json()["error"]["message"], r.json()
+    assert encoded == [len(near)]

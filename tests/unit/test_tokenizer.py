@@ -50,3 +50,14 @@ def test_marks_on_a_long_text_are_its_whole_tokens(smollm_tokenizer: Tokenizer) 
     ids, spans = smollm_tokenizer.encode_marking(text, marks)
     assert ids == smollm_tokenizer.encode(text)
     assert [smollm_tokenizer.decode(ids[a:b]) for a, b in spans] == [" word10", " word2500", " word4999"]
+
+
+def test_fewest_tokens_is_a_lower_bound(smollm_tokenizer: Tokenizer) -> None:
+    """The GGUF tokenizer's longest token covers 81 characters (a newline and 80 spaces): no text
+    encodes to fewer tokens than its length / 81, the worst texts included."""
+    tok = smollm_tokenizer
+    assert tok.max_token_chars == 81
+    longest = "\n" + " " * 80
+    for text in ("hello world " * 500, longest * 100, "#" * 80 * 50, "a", "<|im_start|>" * 40, "é" * 1000):
+        assert 0 < tok.fewest_tokens(text) <= len(tok.encode(text)), text[:20]
+    assert tok.fewest_tokens(longest * 100) == len(tok.encode(longest * 100)) == 100
