@@ -4,9 +4,8 @@ Scenarios (bench.chaos_scenarios, bench.chaos_control): a decode worker SIGKILLe
 (one of two, and the only one), a prefill worker SIGKILLed mid-transfer, a decode worker
 SIGSTOPped for 15 s, a prefill worker SIGSTOPped for 15 s mid-transfer, the embedded Redis
 SIGKILLed, the pool manager SIGKILLed, a second router joining the pools and leaving, clients
-hanging up while queued and in prefill. Each runs its load
-undisturbed first: that run is the baseline its added latency is measured against, and the
-reference its answers must equal.
+hanging up while queued and in prefill. Each runs its load undisturbed first: that run is the
+baseline its added latency is measured against, and the reference its answers must equal.
 Per scenario: completed / errored / hung, added p99 latency, time to recovery, blocks held
 after idle. The target is 0 errored, 0 hung and 0 held blocks everywhere.
 """

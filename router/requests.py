@@ -144,7 +144,7 @@ class ChatCompletionRequest(_Common):
         """The messages through the model's chat template, then the tokenizer, with the spans of
         the earlier answers (SamplingParams.decoded), to be prefilled all the same unless
         `exact_history`. Raises InvalidRequestError (400) for whatever the template or the
-        tokenizer refuses."""
+        tokenizer refuses, PromptTooLongError (413) for a text that cannot fit the context."""
         messages = [m.as_template_input() for m in self.messages]
         try:
             text = model.tokenizer.apply_chat_template(messages)
