@@ -108,16 +108,28 @@ def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
 
 
 def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
-    """2 prefill workers, n long prompts; SIGKILL one while it is prefilling and streaming KV.
+    """2 prefill workers, n long prompts; SIGKILL one while it is prefilling and streaming KV."""
+    return _prefill_fault(c, n, "prefill-kill", "prefill SIGKILL", lambda worker: c.signal(worker, signal.SIGKILL))
+
+
+def prefill_stop(c: Chaos, n: int = 8, stop_s: float = 15.0) -> ScenarioResult:
+    """2 prefill workers, n long prompts; SIGSTOP one while it prefills and streams KV (a long GC
+    pause, a stalled VM), for `stop_s`, then SIGCONT. Its prompts are retried on the other worker
+    before it wakes; what it finishes after waking goes nowhere and frees its blocks."""
+    return _prefill_fault(c, n, "prefill-stop", "prefill SIGSTOP", lambda worker: _freeze(c, worker, stop_s))
+
+
+def _prefill_fault(c: Chaos, n: int, tag: str, name: str, fault_on: Callable[[str], object]) -> ScenarioResult:
+    """`fault_on(worker)` for one of 2 prefill workers while it prefills n long prompts.
 
     The faulted run meets caches that do not hold its prompts: run after an undisturbed run of
     the same prompts, every prompt was a prefix-cache hit on the worker that had prefilled it
-    (int8 here), nothing was in flight at the kill, and no prefill was retried. So the
+    (int8 here), nothing was in flight at the fault, and no prefill was retried. So the
     undisturbed run (for latency) has prompts of its own, and the reference texts are those
     same prompts run again once the pools are whole."""
     c.pools(prefill=2, decode=1)
-    prompts = c.prompts(n, "prefill-kill", words=300)
-    base = run_streams(c.client, c.prompts(n, "prefill-kill-base", words=300))
+    prompts = c.prompts(n, tag, words=300)
+    base = run_streams(c.client, c.prompts(n, f"{tag}-base", words=300))
     t_fault = 0.0
 
     def fault(streams: list[Stream]) -> None:
@@ -130,52 +142,25 @@ def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
 
         until(prefilling, 60, "a prefill in flight")
         time.sleep(0.2)  # into the prompt, with layers on the wire
-        c.signal(busy[0], signal.SIGKILL)
         t_fault = time.monotonic()
+        fault_on(busy[0])
 
     run = c.streamed_with(prompts, fault)
     affected = [s for s in run if int(s.timing.get("attempts", 1)) > 1 or int(s.timing.get("migrations", 0))]
     recovery = c.whole_again(t_fault, prefill=2, decode=1)
     facts = same_answers(run_streams(c.client, prompts), run, c.client.max_tokens)
     facts["attempts"] = sorted(int(s.timing.get("attempts", 0)) for s in run)
-    return outcome("prefill SIGKILL", base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(),
-                   facts={**facts, "retried": len(affected)})  # fmt: skip
-
-
-def prefill_stop(c: Chaos, n: int = 8, stop_s: float = 15.0) -> ScenarioResult:
-    """2 prefill workers, n long prompts; SIGSTOP one while it prefills and streams KV (a long GC
-    pause, a stalled VM), for `stop_s`, then SIGCONT. Its prompts are retried on the other worker
-    before it wakes; what it finishes after waking goes nowhere and frees its blocks. As in
-    prefill_kill, the faulted run's prompts are new and their reference texts come after it."""
-    c.pools(prefill=2, decode=1)
-    prompts = c.prompts(n, "prefill-stop", words=300)
-    base = run_streams(c.client, c.prompts(n, "prefill-stop-base", words=300))
-    t_fault = 0.0
-
-    def fault(streams: list[Stream]) -> None:
-        nonlocal t_fault
-        busy: list[str] = []
-
-        def prefilling() -> bool:
-            busy[:] = [p for p in c.workers("prefill") if c.cluster.ledger.load(p).prefill_tokens > 0]
-            return len(busy) > 0
-
-        until(prefilling, 60, "a prefill in flight")
-        time.sleep(0.2)  # into the prompt, with layers on the wire
-        pid = c.signal(busy[0], signal.SIGSTOP)
-        t_fault = time.monotonic()
-        time.sleep(stop_s)
-        with contextlib.suppress(ProcessLookupError):  # the pool manager may have killed it: also fine
-            os.kill(pid, signal.SIGCONT)
-
-    run = c.streamed_with(prompts, fault)
-    affected = [s for s in run if int(s.timing.get("attempts", 1)) > 1 or int(s.timing.get("migrations", 0))]
-    recovery = c.whole_again(t_fault, prefill=2, decode=1)
-    facts = same_answers(run_streams(c.client, prompts), run, c.client.max_tokens)
     facts["retried"] = len(affected)
     facts["affected_first_token_max_s"] = max((resumed_after(s, t_fault) for s in affected), default=0.0)
-    return outcome("prefill SIGSTOP", base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(),
-                   facts=facts)  # fmt: skip
+    return outcome(name, base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(), facts=facts)
+
+
+def _freeze(c: Chaos, worker: str, stop_s: float) -> None:
+    """SIGSTOP `worker` for `stop_s`, then SIGCONT it."""
+    pid = c.signal(worker, signal.SIGSTOP)
+    time.sleep(stop_s)
+    with contextlib.suppress(ProcessLookupError):  # the pool manager may have killed it: also fine
+        os.kill(pid, signal.SIGCONT)
 
 
 def resumed_after(s: Stream, t: float) -> float:
@@ -197,11 +182,8 @@ def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
         nonlocal victim, t_fault
         until(lambda: decoding(streams) >= n // 2, 120, "streams under way")
         victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
-        pid = c.signal(victim, signal.SIGSTOP)
         t_fault = time.monotonic()
-        time.sleep(stop_s)
-        with contextlib.suppress(ProcessLookupError):  # the pool manager may have killed it: also fine
-            os.kill(pid, signal.SIGCONT)
+        _freeze(c, victim, stop_s)
 
     run = run_streams(client, prompts, fault)
     others = [s.tpot for s in run if s.decode_worker != victim and not s.timing.get("migrations") and s.tpot]
