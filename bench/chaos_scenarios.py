@@ -26,7 +26,7 @@ from bench.stats import percentile
 
 
 def decode_kill(c: Chaos, n: int = 32) -> ScenarioResult:
-    """2 decode workers, n streams; SIGKILL the busier one once half the streams are decoding.
+    """2 decode workers, n streams; SIGKILL the busier one once a quarter of them are decoding.
     The streams opt out of speculation (see `decoding`)."""
     c.pools(prefill=1, decode=2)
     client = c.client.without_speculation()
@@ -37,7 +37,7 @@ def decode_kill(c: Chaos, n: int = 32) -> ScenarioResult:
 
     def fault(streams: list[Stream]) -> None:
         nonlocal t_fault
-        until(lambda: decoding(streams) >= n // 2, 120, "streams under way")
+        until(lambda: decoding(streams) >= n // 4, 120, "streams under way")
         victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
         c.signal(victim, signal.SIGKILL)
         t_fault = time.monotonic()
@@ -57,7 +57,8 @@ def decoding(streams: list[Stream]) -> int:
     these similar stories came in ~0.5 s per stream (a burst of 32: 16-22 decoding at once at
     most), and in the project's CI every stream of the killed worker had ended or not begun at
     the kill: none moved. So the decode-fault scenarios' streams opt out of speculation (~2 s
-    each); a migration with speculation on is tested in test_cluster."""
+    each; a migration with speculation on is tested in test_cluster), and the fault waits for a
+    quarter of them to be mid-decode: waiting for half, 1 run in ~10 never saw that many at once."""
     return sum(len(s.token_times) >= 4 and not s.done for s in streams)
 
 
@@ -134,16 +135,17 @@ def _prefill_fault(c: Chaos, n: int, tag: str, name: str, fault_on: Callable[[st
 
     def fault(streams: list[Stream]) -> None:
         nonlocal t_fault
-        busy: list[str] = []
-
-        def prefilling() -> bool:
-            busy[:] = [p for p in c.workers("prefill") if c.cluster.ledger.load(p).prefill_tokens > 0]
-            return len(busy) > 0
-
-        until(prefilling, 60, "a prefill in flight")
+        until(lambda: queued()[0][1] > 0, 60, "a prefill in flight")
         time.sleep(0.2)  # into the prompt, with layers on the wire
         t_fault = time.monotonic()
-        fault_on(busy[0])
+        fault_on(queued()[0][0])
+
+    def queued() -> list[tuple[str, int]]:
+        """The prefill workers, the most prefill tokens queued on them first: the one with the
+        first prefill in flight may have had one short prompt, done within the 0.2 s (the
+        burst is not split evenly: cache-aware routing), and the fault then hit nothing."""
+        loads = [(p, c.cluster.ledger.load(p).prefill_tokens) for p in c.workers("prefill")]
+        return sorted(loads, key=lambda pl: -pl[1]) or [("", 0)]
 
     run = c.streamed_with(prompts, fault)
     affected = [s for s in run if int(s.timing.get("attempts", 1)) > 1 or int(s.timing.get("migrations", 0))]
@@ -180,7 +182,7 @@ def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
 
     def fault(streams: list[Stream]) -> None:
         nonlocal victim, t_fault
-        until(lambda: decoding(streams) >= n // 2, 120, "streams under way")
+        until(lambda: decoding(streams) >= n // 4, 120, "streams under way")
         victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
         t_fault = time.monotonic()
         _freeze(c, victim, stop_s)
