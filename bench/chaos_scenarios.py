@@ -9,6 +9,7 @@ fault's cost is measured against), then again with the fault, and reports a Scen
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import threading
@@ -39,8 +40,7 @@ def decode_kill(c: Chaos, n: int = 32) -> ScenarioResult:
         nonlocal t_fault
         until(lambda: decoding(streams) >= n // 4, 120, "streams under way")
         victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
-        c.signal(victim, signal.SIGKILL)
-        t_fault = time.monotonic()
+        t_fault = _kill(c, victim)
 
     run = run_streams(client, prompts, fault)
     facts = {**same_answers(base, run, client.max_tokens), "burst_split": sorted(split.values())}
@@ -89,8 +89,7 @@ def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
         prefill = c.workers("prefill")[0]
         until(lambda: c.cluster.ledger.load(prefill).prefill_tokens >= 256, 60, "the long prompt's prefill")
         time.sleep(0.1)  # into the prompt, with layers on the wire
-        c.signal(c.workers("decode")[0], signal.SIGKILL)
-        t_fault = time.monotonic()
+        t_fault = _kill(c, c.workers("decode")[0])
         probe.append(c.client.stream("A new request while the decode pool is empty: say hello."))
         pushing.join()
 
@@ -110,7 +109,7 @@ def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
 
 def prefill_kill(c: Chaos, n: int = 8) -> ScenarioResult:
     """2 prefill workers, n long prompts; SIGKILL one while it is prefilling and streaming KV."""
-    return _prefill_fault(c, n, "prefill-kill", "prefill SIGKILL", lambda worker: c.signal(worker, signal.SIGKILL))
+    return _prefill_fault(c, n, "prefill-kill", "prefill SIGKILL", lambda worker: _kill(c, worker))
 
 
 def prefill_stop(c: Chaos, n: int = 8, stop_s: float = 15.0) -> ScenarioResult:
@@ -120,8 +119,9 @@ def prefill_stop(c: Chaos, n: int = 8, stop_s: float = 15.0) -> ScenarioResult:
     return _prefill_fault(c, n, "prefill-stop", "prefill SIGSTOP", lambda worker: _freeze(c, worker, stop_s))
 
 
-def _prefill_fault(c: Chaos, n: int, tag: str, name: str, fault_on: Callable[[str], object]) -> ScenarioResult:
-    """`fault_on(worker)` for one of 2 prefill workers while it prefills n long prompts.
+def _prefill_fault(c: Chaos, n: int, tag: str, name: str, fault_on: Callable[[str], float]) -> ScenarioResult:
+    """`fault_on(worker)` (returning when the fault hit) for one of 2 prefill workers while it
+    prefills n long prompts.
 
     The faulted run meets caches that do not hold its prompts: run after an undisturbed run of
     the same prompts, every prompt was a prefix-cache hit on the worker that had prefilled it
@@ -137,8 +137,7 @@ def _prefill_fault(c: Chaos, n: int, tag: str, name: str, fault_on: Callable[[st
         nonlocal t_fault
         until(lambda: queued()[0][1] > 0, 60, "a prefill in flight")
         time.sleep(0.2)  # into the prompt, with layers on the wire
-        t_fault = time.monotonic()
-        fault_on(queued()[0][0])
+        t_fault = fault_on(queued()[0][0])
 
     def queued() -> list[tuple[str, int]]:
         """The prefill workers, the most prefill tokens queued on them first: the one with the
@@ -153,21 +152,33 @@ def _prefill_fault(c: Chaos, n: int, tag: str, name: str, fault_on: Callable[[st
     facts = same_answers(run_streams(c.client, prompts), run, c.client.max_tokens)
     facts["attempts"] = sorted(int(s.timing.get("attempts", 0)) for s in run)
     facts["retried"] = len(affected)
-    facts["affected_first_token_max_s"] = max((resumed_after(s, t_fault) for s in affected), default=0.0)
+    facts["affected_stall_max_s"] = max((stalled_after(s, t_fault) for s in affected), default=0.0)
     return outcome(name, base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(), facts=facts)
 
 
-def _freeze(c: Chaos, worker: str, stop_s: float) -> None:
-    """SIGSTOP `worker` for `stop_s`, then SIGCONT it."""
+def _kill(c: Chaos, worker: str) -> float:
+    """SIGKILL `worker`; when (monotonic)."""
+    c.signal(worker, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _freeze(c: Chaos, worker: str, stop_s: float) -> float:
+    """SIGSTOP `worker` for `stop_s`, then SIGCONT it; when it stopped (monotonic)."""
     pid = c.signal(worker, signal.SIGSTOP)
+    stopped = time.monotonic()
     time.sleep(stop_s)
     with contextlib.suppress(ProcessLookupError):  # the pool manager may have killed it: also fine
         os.kill(pid, signal.SIGCONT)
+    return stopped
 
 
-def resumed_after(s: Stream, t: float) -> float:
-    """Seconds from t to the stream's first token after it (to its end, where none came)."""
-    return next((x for x in s.token_times if x > t), s.end) - t
+def stalled_after(s: Stream, t: float) -> float:
+    """The longest the stream went without a token from t on (t to its first token, or between
+    two, or to its end): how long a fault at t held it. Not the wait for its first token after
+    t: a frozen worker's tokens already on their way arrive a few ms after it (0.00 s measured
+    so, for streams that then waited seconds to move)."""
+    times = [t, *(x for x in s.token_times if x > t), max(s.end, t)]
+    return max(b - a for a, b in itertools.pairwise(times))
 
 
 def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
@@ -184,8 +195,7 @@ def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
         nonlocal victim, t_fault
         until(lambda: decoding(streams) >= n // 4, 120, "streams under way")
         victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
-        t_fault = time.monotonic()
-        _freeze(c, victim, stop_s)
+        t_fault = _freeze(c, victim, stop_s)
 
     run = run_streams(client, prompts, fault)
     others = [s.tpot for s in run if s.decode_worker != victim and not s.timing.get("migrations") and s.tpot]
@@ -195,9 +205,9 @@ def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
         **same_answers(base, run, client.max_tokens),
         "others_tpot_ratio": percentile(others, 50) / percentile(undisturbed, 50) if others and undisturbed else 0.0,
         "affected_max_s": max((s.e2e for s in affected), default=0.0),
-        # from the freeze to each moved stream's next token: under stop_s, it moved before the
-        # worker woke (e2e also counts the stream's tokens before the freeze: a slow CPU's)
-        "affected_resumed_max_s": max((resumed_after(s, t_fault) for s in affected), default=0.0),
+        # each moved stream's longest wait for a token after the freeze: under stop_s, it moved
+        # before the worker woke (e2e also counts the stream's tokens before the freeze: a slow CPU's)
+        "affected_stall_max_s": max((stalled_after(s, t_fault) for s in affected), default=0.0),
     }
     recovery = c.whole_again(t_fault, prefill=1, decode=2)
     return outcome("decode SIGSTOP", base, run, affected, recovery_s=recovery, held_blocks=c.held_after_idle(),

@@ -71,7 +71,7 @@ def test_decode_worker_frozen_for_15_s(chaos: Chaos) -> None:
     r = decode_stop(chaos, n=16, stop_s=15.0)
     clean(r)
     assert r.facts["same_text"] == 16 and r.facts["migrated"] > 0, r.facts
-    assert r.facts["affected_resumed_max_s"] < 15.0, "the frozen worker's streams moved before it woke up"
+    assert 0 < r.facts["affected_stall_max_s"] < 15.0, "the frozen worker's streams moved before it woke up"
     assert 0 < r.facts["others_tpot_ratio"] <= 2.0, r.facts
 
 
@@ -80,7 +80,7 @@ def test_prefill_worker_frozen_for_15_s(chaos: Chaos) -> None:
     clean(r)  # held_blocks 0: what it prefilled after waking, for reservations long gone, was freed
     assert r.facts["same_text"] == r.facts["usage_exact"] == 8, r.facts
     assert r.facts["retried"] > 0, f"the frozen worker had prefills in flight, retried elsewhere: {r.facts}"
-    assert r.facts["affected_first_token_max_s"] < 15.0, "its prompts moved before it woke up"
+    assert 0 < r.facts["affected_stall_max_s"] < 15.0, "its prompts moved before it woke up"
 
 
 def test_redis_killed_under_load(chaos: Chaos) -> None:
