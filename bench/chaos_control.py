@@ -116,6 +116,7 @@ def second_router(c: Chaos, n: int = 8) -> ScenarioResult:
         until(lambda: sum(len(s.token_times) >= 2 for s in streams) >= n // 2, 120, "streams under way")
         t_fault = time.monotonic()
         mine = c.cluster.config
+        assert mine.engine.num_blocks is not None  # chaos names it (bench/chaos.py)
         engine = dataclasses.replace(mine.engine, num_blocks=mine.engine.num_blocks // 2)
         config = dataclasses.replace(mine, prefill=2, decode=2, engine=engine, keep_pools=True)
         other = Cluster.connect(config, redis_url=c.cluster.state_url)

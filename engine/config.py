@@ -67,7 +67,7 @@ class EngineConfig:
 
     dtype: str = "auto"
     block_size: int = 16
-    num_blocks: int = 2048
+    num_blocks: int | None = 2048  # None: sized from the memory where the engine runs (engine/kv_budget.py)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     # Tokens of one prompt a step at most, so that a long prompt leaves room in every step for
@@ -92,7 +92,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.num_blocks < 1:
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("block_size and num_blocks must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")

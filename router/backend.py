@@ -118,8 +118,11 @@ class ClusterBackend:
         self.policy = policy or RoutingPolicy()
         path = cluster.config.model_path
         engine = cluster.config.engine
-        # A decode worker must hold prompt + output: its whole cache bounds one request too.
-        limit = min(context_length(path), engine.num_blocks * engine.block_size)
+        # A decode worker must hold prompt + output: its whole cache bounds one request too
+        # (a cache sized from memory, num_blocks None, holds at least one full context).
+        limit = context_length(path)
+        if engine.num_blocks is not None:
+            limit = min(limit, engine.num_blocks * engine.block_size)
         if engine.max_model_len:
             limit = min(limit, engine.max_model_len)
         self.model = ModelInfo(name or model_name(path), Tokenizer.load(path), limit, int(time.time()))

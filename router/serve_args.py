@@ -21,6 +21,15 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _blocks(text: str) -> int | None:
+    """--num-blocks: a count, or auto (None: sized from the memory where each worker runs)."""
+    if text == "auto":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of blocks (>= 1) or auto")
+    return int(text)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
@@ -67,7 +76,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="what workers compute on: cuda claims one GPU a worker from Ray (bf16; see the README's GPU "
         "section, not yet run on a GPU); auto: cuda where the worker finds one, claiming none",
     )
-    ap.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    ap.add_argument(
+        "--num-blocks",
+        type=_blocks,
+        default="auto",
+        help="KV blocks per worker; auto: a quarter of the host's available memory, split among its workers as "
+        "its cores are, at most 2 GiB a worker and at least one full context (a GPU: 80%% of its free memory)",
+    )
     chunk_help = "tokens of one prompt a step (so short prompts pass long ones); default 512 on CPU, 0: whole budget"
     ap.add_argument("--max-prefill-chunk", type=int, default=None, help=chunk_help)
     ap.add_argument(

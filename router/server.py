@@ -48,6 +48,17 @@ def _progress(cluster: Any, done: threading.Event, started: float) -> None:
             last = line
 
 
+def _kv_room(cluster: Any) -> str:
+    """The ready line's tail: the KV tokens a worker holds (each count seen), from the workers'
+    heartbeats; with --num-blocks auto each sized its cache from its host's memory."""
+    try:
+        blocks = sorted({int(w["num_blocks"]) for w in cluster.workers() if w.get("num_blocks")})
+    except Exception:
+        return ""
+    tokens = " / ".join(f"{n * cluster.config.engine.block_size:,}" for n in blocks)
+    return f", KV for {tokens} tokens a worker" if blocks else ""
+
+
 FLAGS = {"max_running": "--max-running", "queue_timeout_s": "--queue-timeout", "colocate_below_tokens":
          "--colocate-below", "local_below_tokens": "--local-below", "overflow_below_tokens": "--overflow-below",
          "spill_streams": "--spill-streams"}  # fmt: skip
@@ -271,7 +282,7 @@ def _route(
         autoscaler.start(autoscale, backend, app.state.dispatcher.window, stop, planner, share)
         print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
     url = f"http://{settings.host}:{settings.port}"
-    print(f"ready in {time.monotonic() - started:.1f} s", flush=True)
+    print(f"ready in {time.monotonic() - started:.1f} s{_kv_room(cluster)}", flush=True)
     print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
     server = http_server(app, settings)
     if signals.requested.is_set():  # since the cluster was ready

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_budget import KV_CAP_BYTES, auto_blocks, available_bytes, cpu_share
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -64,6 +67,29 @@ def test_chunked_prefill_prefix_cache_and_preemption(engine_fp32: Engine) -> Non
     for e in (chunked, cached, tight):
         e.check_integrity()
         assert e.kv.num_free_blocks == e.config.num_blocks
+
+
+def test_a_cache_sized_from_memory_holds_its_share_and_runs_alike(engine_fp32: Engine) -> None:
+    """num_blocks None (`tandem serve`'s default): the blocks a quarter of this host's available
+    memory holds for a worker of 1 of its cores, at most 2 GiB, and the tokens of any other size."""
+    threads = torch.get_num_threads()
+    auto = sibling(engine_fp32, num_blocks=None, num_threads=1)  # (sets torch's threads)
+    try:
+        n = auto.config.num_blocks
+        assert n is not None and n == auto.kv.num_blocks == auto.cache.num_blocks
+        block = auto.cache.bytes_per_block
+        expect = auto_blocks(
+            block, 16, auto.max_model_len, available_bytes(), cpu_share(1, os.cpu_count()), KV_CAP_BYTES
+        )
+        assert abs(n - expect.num_blocks) <= max(expect.num_blocks // 100, 1)  # the memory moved a little in between
+        assert n * block <= KV_CAP_BYTES or n == -(-auto.max_model_len // 16)
+        prompts = chats(engine_fp32)
+        assert [r.token_ids for r in auto.generate(prompts, GREEDY)] == [
+            r.token_ids for r in engine_fp32.generate(prompts, GREEDY)
+        ]
+        auto.check_integrity()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prefill_engine_then_decode_engine(engine_fp32: Engine) -> None:

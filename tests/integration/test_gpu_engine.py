@@ -3,7 +3,8 @@ with a GPU and a CUDA torch wheel; without one it is skipped, and says so.
 
 - greedy on CUDA in bf16 equals HF transformers on the same GPU in bf16, 8 prompts x 64 tokens
   (a divergence only at a near-tie of HF's top two logits, as the CPU reference test allows);
-- CUDA graphs on give the tokens of CUDA graphs off, for a batch of 8.
+- CUDA graphs on give the tokens of CUDA graphs off, for a batch of 8;
+- a cache sized from the GPU's free memory (`num_blocks` None) holds its share and answers alike.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_budget import GPU_SHARE
 from engine.model_files import default_model_path
 from engine.sampling_params import SamplingParams
 from tests.integration.test_engine_reference import CHAT, RAW
@@ -64,3 +66,23 @@ def test_cuda_graphs_give_the_eager_tokens(gpu_engine: Engine) -> None:
     assert [o.token_ids for o in eager.generate(prompts, greedy)] == graphed
     for e in (gpu_engine, eager):
         e.check_integrity()
+
+
+def test_a_cache_sized_from_memory_takes_its_share_of_the_gpu(gpu_engine: Engine) -> None:
+    """num_blocks None on CUDA: GPU_SHARE of the device's free memory (engine/kv_budget.py), and
+    the tokens of a fixed-size cache."""
+    free, _ = torch.cuda.mem_get_info()
+    auto = Engine(gpu_engine.model, gpu_engine.tokenizer, EngineConfig(dtype="bf16", device="cuda", num_blocks=None))
+    try:
+        assert auto.config.num_blocks is not None
+        held = auto.config.num_blocks * auto.cache.bytes_per_block
+        assert 0.5 * free <= held <= GPU_SHARE * free, (held, free)
+        prompts = [prompt_ids(gpu_engine, i) for i in range(2)]
+        greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert [r.token_ids for r in auto.generate(prompts, greedy)] == [
+            r.token_ids for r in gpu_engine.generate(prompts, greedy)
+        ]
+        auto.check_integrity()
+    finally:
+        del auto
+        torch.cuda.empty_cache()

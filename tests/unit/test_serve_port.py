@@ -99,11 +99,19 @@ def test_a_port_out_of_range_is_a_usage_error(port: str, capsys: pytest.CaptureF
     assert exit_.value.code == 2 and f"argument --port: '{port}' is not a TCP port" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("blocks", ["0", "-3", "lots"])
+def test_a_bad_block_count_is_a_usage_error(blocks: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([f"--num-blocks={blocks}"])
+    assert exit_.value.code == 2
+    assert f"argument --num-blocks: '{blocks}' is not a number of blocks (>= 1) or auto" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
         (["--max-prefill-chunk", "-1"], "max_prefill_chunk must be >= 0"),
-        (["--num-blocks", "0"], "num_blocks must be >= 1"),
         (["--max-running", "0"], "--max-running: Input should be greater than or equal to 1"),
         (["--queue-timeout", "0", "--spill-streams", "-1"], "--queue-timeout: Input should be greater than 0; --spill"),
     ],

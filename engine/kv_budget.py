@@ -1,0 +1,93 @@
+"""How many KV blocks an engine gets when its config names none (`num_blocks=None`, `tandem serve
+--num-blocks auto`, the default there).
+
+A fixed count fits no host: 512 blocks of SmolLM2 in bf16 are 189 MB, one 8K context, so a
+decode worker ran ~10 streams that each reserved 256 + 512 tokens while gigabytes sat free
+(C = 32 of them waited 11 s on average for room). The count comes from the memory instead:
+
+    budget = min(KV_CAP_BYTES, KV_SHARE x available x this worker's threads / the host's cores)
+    blocks = max(budget // bytes of a block, the blocks of one full context)
+
+Workers of one host split its memory as they split its cores (a worker that takes every core
+takes the whole share). `available` is MemAvailable, or the cgroup's limit less its usage where
+that is lower (a container). On a GPU, which a worker has to itself: GPU_SHARE of the device's
+free memory once the weights are on it, no cap. Pure but for `available_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+KV_SHARE = 0.25  # of the host's available memory, over all its workers
+KV_CAP_BYTES = 2 << 30  # a worker's at most, on a CPU
+GPU_SHARE = 0.8  # of a GPU's free memory after the weights
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """An engine's KV cache, sized: `num_blocks`, and the numbers that chose it (for its log line)."""
+
+    num_blocks: int
+    budget_bytes: int
+    available_bytes: int
+    share: float  # of the host's memory this worker may take (its cores' share of KV_SHARE)
+
+    def describe(self, block_bytes: int, block_size: int) -> str:
+        mb = self.num_blocks * block_bytes >> 20
+        return (f"{self.num_blocks} blocks ({self.num_blocks * block_size:,} tokens, {mb:,} MB): "
+                f"{self.share:.3g} of {self.available_bytes >> 20:,} MB available")  # fmt: skip
+
+
+def auto_blocks(
+    block_bytes: int, block_size: int, max_model_len: int, available: int, share: float, cap: int | None
+) -> KVBudget:
+    """The blocks a budget of `share` x `available` bytes (at most `cap`) holds, at least one
+    full context's."""
+    if block_bytes < 1 or block_size < 1 or max_model_len < 1:
+        raise ValueError(f"block_bytes, block_size and max_model_len must be >= 1, got "
+                         f"{block_bytes}, {block_size}, {max_model_len}")  # fmt: skip
+    budget = int(max(available, 0) * min(max(share, 0.0), 1.0))
+    if cap is not None:
+        budget = min(budget, cap)
+    one_context = -(-max_model_len // block_size)
+    return KVBudget(max(budget // block_bytes, one_context), budget, available, share)
+
+
+def cpu_share(num_threads: int | None, cores: int | None) -> float:
+    """KV_SHARE, in proportion to the host's cores this worker was given (all of them: None);
+    `tandem serve` splits os.cpu_count() (router/server.py)."""
+    if not num_threads or not cores:
+        return KV_SHARE
+    return KV_SHARE * min(num_threads / cores, 1.0)
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory this process's host (or container) can still give, in bytes; 0 if unknown."""
+    host = 0
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                host = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    room = _cgroup_room(cgroup)
+    if room is None:
+        return host
+    return min(host, room) if host else room
+
+
+def _cgroup_room(root: Path) -> int | None:
+    """The cgroup's limit less its usage (v2, then v1), or None where it sets no limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        return max(int(limit) - usage, 0)
+    return None

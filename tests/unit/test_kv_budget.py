@@ -1,0 +1,73 @@
+"""The KV cache sized from memory (engine/kv_budget.py): the rule, and where the memory figure comes from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.kv_budget import KV_SHARE, auto_blocks, available_bytes, cpu_share
+from router import serve_args
+
+
+def test_blocks_are_the_share_of_memory_a_block_size_each() -> None:
+    sized = auto_blocks(block_bytes=1000, block_size=16, max_model_len=160, available=1_000_000, share=0.25, cap=None)
+    assert (sized.num_blocks, sized.budget_bytes, sized.available_bytes) == (250, 250_000, 1_000_000)
+    assert sized.describe(1000, 16) == "250 blocks (4,000 tokens, 0 MB): 0.25 of 0 MB available"
+
+
+def test_the_cap_bounds_the_budget_and_one_context_is_the_floor() -> None:
+    assert auto_blocks(1000, 16, 160, 1_000_000, 0.25, cap=100_000).num_blocks == 100
+    assert auto_blocks(1000, 16, 160, 1_000, 0.25, cap=100_000).num_blocks == 10  # 160 tokens: 10 blocks
+    assert auto_blocks(1000, 16, 161, 0, 0.25, cap=None).num_blocks == 11  # unknown memory: one context
+    assert auto_blocks(1000, 16, 160, 1_000_000, 3.0, cap=None).num_blocks == 1000  # a share is at most all
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="block_bytes"):
+        auto_blocks(0, 16, 160, 1_000_000, 0.25, None)
+
+
+def test_workers_of_a_host_split_its_memory_as_its_cores() -> None:
+    assert cpu_share(1, 2) == KV_SHARE / 2
+    assert cpu_share(None, 2) == KV_SHARE  # all the cores
+    assert cpu_share(4, 2) == KV_SHARE  # never more than all
+    assert cpu_share(1, None) == KV_SHARE
+
+
+def _files(tmp: Path, meminfo: str | None, cgroup: dict[str, int | str] | None = None) -> tuple[Path, Path]:
+    """A /proc/meminfo and a cgroup root holding `cgroup` ({path under the root: content})."""
+    (tmp / "cg" / "memory").mkdir(parents=True)
+    if meminfo is not None:
+        (tmp / "meminfo").write_text(meminfo)
+    for name, value in (cgroup or {}).items():
+        (tmp / "cg" / name).write_text(str(value))
+    return tmp / "meminfo", tmp / "cg"
+
+
+MEMINFO = "MemTotal:       24000000 kB\nMemFree:        10000000 kB\nMemAvailable:   20000000 kB\n"
+
+
+def test_available_memory_is_the_hosts_or_the_containers_if_lower(tmp_path: Path) -> None:
+    host = 20_000_000 * 1024
+    assert available_bytes(*_files(tmp_path / "a", MEMINFO)) == host
+    v2 = {"memory.max": 8 << 30, "memory.current": 3 << 30}
+    assert available_bytes(*_files(tmp_path / "b", MEMINFO, v2)) == 5 << 30
+    unlimited = {"memory.max": "max", "memory.current": 3 << 30}
+    assert available_bytes(*_files(tmp_path / "c", MEMINFO, unlimited)) == host
+    v1 = {"memory/memory.limit_in_bytes": 2 << 30, "memory/memory.usage_in_bytes": 1 << 30}
+    assert available_bytes(*_files(tmp_path / "d", MEMINFO, v1)) == 1 << 30
+    v1_unlimited = {"memory/memory.limit_in_bytes": 2**63 - 4096, "memory/memory.usage_in_bytes": 1 << 30}
+    assert available_bytes(*_files(tmp_path / "e", MEMINFO, v1_unlimited)) == host
+    over = {"memory.max": 1 << 30, "memory.current": 2 << 30}
+    assert available_bytes(*_files(tmp_path / "f", MEMINFO, over)) == 0
+    assert available_bytes(*_files(tmp_path / "g", None)) == 0  # nothing to read: unknown
+    container_only = {"memory.max": 4 << 30, "memory.current": 0}
+    assert available_bytes(*_files(tmp_path / "h", None, container_only)) == 4 << 30
+
+
+def test_serve_sizes_kv_from_memory_unless_told() -> None:
+    assert serve_args.parse([]).num_blocks is None
+    assert serve_args.parse(["--num-blocks", "auto"]).num_blocks is None
+    assert serve_args.parse(["--num-blocks", "96"]).num_blocks == 96
+    # a bad count is a usage error: tests/unit/test_serve_port.py
