@@ -21,6 +21,8 @@ in engine.kv_cache and never touches this tensor.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +31,17 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv_codec import KVCodec
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU it lies over an anonymous mapping, whose pages the kernel
+    gives, zeroed, as they are first written: a cache sized for the host's memory (engine/
+    kv_budget.py) takes what its requests have used, and no time to start (torch.zeros wrote
+    2 GiB in 0.67 s, each worker at startup, and kept all of it resident)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, numel * dtype.itemsize), dtype=dtype, count=numel).view(shape)
 
 
 class PagedKVCache:
@@ -53,7 +66,7 @@ class PagedKVCache:
         self.width = self.codec.width(model.head_dim)
         self.dtype = self.codec.storage  # of the tensor: what KV transfer moves
         shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width)
-        self._place(torch.zeros(shape, dtype=self.dtype, device=device))
+        self._place(_zeros(shape, self.dtype, torch.device(device)))
 
     def _place(self, kv: torch.Tensor) -> None:
         self.kv = kv
