@@ -37,6 +37,11 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     @property
+    def holds_kv(self) -> bool:
+        """Whether any block's contents matter: held by a request, or cached for a prefix."""
+        return self.pool.num_free_blocks < self.num_blocks or self.pool.num_cached_blocks > 0
+
+    @property
     def num_requests(self) -> int:
         return len(self._tables)
 

@@ -134,9 +134,10 @@ class SharedCache:
         weakref.finalize(self, _unlink, shm_path(name, CACHE_PREFIX))
 
     @classmethod
-    def share(cls, cache: PagedKVCache) -> SharedCache | None:
-        """Move `cache` into shared memory before its engine runs; None (and a warning) if
-        /dev/shm cannot hold it: senders then copy through their own segments."""
+    def share(cls, cache: PagedKVCache, contents: bool = True) -> SharedCache | None:
+        """Move `cache` into shared memory before its engine runs, with its contents unless
+        `contents` is False (nothing held or cached yet: the new segment's zeros do); None (and a
+        warning) if /dev/shm cannot hold it: senders then copy through their own segments."""
         nbytes = cache.kv.numel() * cache.kv.element_size()
         fd = -1
         try:
@@ -148,7 +149,7 @@ class SharedCache:
                 _unlink(shm_path(name, CACHE_PREFIX))
             log.warning("KV cache stays private (%d MB, /dev/shm: %s): same-host transfers copy twice", nbytes >> 20, e)
             return None
-        cache.rehome(torch.frombuffer(buf, dtype=cache.dtype, count=cache.kv.numel()).view(cache.kv.shape))
+        cache.rehome(torch.frombuffer(buf, dtype=cache.dtype, count=cache.kv.numel()).view(cache.kv.shape), contents)
         return cls(name, fd, cache.num_blocks)
 
     def close(self) -> None:

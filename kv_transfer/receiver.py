@@ -71,7 +71,7 @@ class KVReceiver:
         self._dropped: list[str] = []
         self.fence = Fence()
         with engine_lock:  # a flipped worker's engine loop runs already: it must not step meanwhile
-            self.shared = SharedCache.share(engine.cache) if in_place else None
+            self.shared = SharedCache.share(engine.cache, engine.kv.holds_kv) if in_place else None
 
     # ---- control ----------------------------------------------------------------------------
 

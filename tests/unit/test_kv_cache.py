@@ -275,3 +275,14 @@ def test_randomized_stress() -> None:
 def test_kv_cache_does_not_import_torch() -> None:
     code = "import engine.kv_cache, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_cache_holds_kv_while_a_request_or_a_cached_prefix_does(caching: bool) -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=caching)
+    assert not kv.holds_kv, "a new cache: no block's contents matter"
+    prefill(kv, "a", list(range(9)))
+    assert kv.holds_kv
+    kv.free("a")
+    kv.check_integrity()
+    assert kv.holds_kv == caching, "freed, its full blocks stay cached (when caching)"

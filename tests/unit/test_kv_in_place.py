@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine.model import LlamaModel
+from engine.paged_cache import PagedKVCache
 from kv_transfer.chunk_writer import HOLD_S, InPlaceHeaders
 from kv_transfer.errors import ChunkRejected, KVTransferError
 from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, SharedCache, held
@@ -26,6 +27,7 @@ from kv_transfer.sender import KVTransferClient
 from kv_transfer.wire import frame
 from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.kv_harness import Pair, make_pair, wait_for
+from tests.unit.tiny import TINY
 
 NUM_BLOCKS = 256
 SHARED_CACHE_CHILD = """
@@ -322,3 +324,17 @@ def test_auto_goes_in_place_where_the_cache_is_reachable_and_over_grpc_elsewhere
     finally:
         private.close()
     client.close()
+
+
+def test_a_cache_whose_contents_do_not_matter_moves_to_shared_memory_without_a_copy() -> None:
+    for contents in (True, False):
+        cache = PagedKVCache(TINY, 8, 4, torch.float32)
+        cache.kv.fill_(1.0)
+        private = cache.kv.data_ptr()
+        shared = SharedCache.share(cache, contents)
+        assert shared is not None
+        try:
+            assert cache.kv.data_ptr() != private and cache.k_flat[0].data_ptr() == cache.kv.data_ptr()
+            assert float(cache.kv.mean()) == (1.0 if contents else 0.0), "copied, or the segment's zeros"
+        finally:
+            shared.close()
