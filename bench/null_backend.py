@@ -73,6 +73,9 @@ class NullBackend:
     def ready(self) -> bool:
         return True
 
+    def serving_workers(self) -> int:
+        return 1
+
     def emit(self, kind: str, **fields: Any) -> None:
         pass  # no cluster, no events
 

@@ -14,15 +14,18 @@ import heapq
 import itertools
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from router.errors import Saturated
 
 
 class Admission:
-    """Single event loop only (no locks). `acquire` then exactly one `release` per admitted request."""
+    """Single event loop only (no locks). `acquire` then exactly one `release` per admitted request.
+    `max_running` may be a function, read again at each acquire and release (the pools' size)."""
 
-    def __init__(self, max_running: int, max_waiting: int, max_waiting_total: int) -> None:
-        self.max_running = max_running
+    def __init__(self, max_running: int | Callable[[], int], max_waiting: int, max_waiting_total: int) -> None:
+        self._bound = max_running if callable(max_running) else None
+        self.max_running = max_running() if callable(max_running) else max_running
         self.max_waiting = max_waiting
         self.max_waiting_total = max_waiting_total
         self.running = 0
@@ -39,6 +42,7 @@ class Admission:
 
         Raises Saturated at once when this priority's queue (or the whole queue) is full, or
         after `timeout_s` in the queue. Cancellation while queued leaves no trace."""
+        self._follow()
         if self.running < self.max_running and not self._waiting:
             self.running += 1
             return 0.0
@@ -64,13 +68,30 @@ class Admission:
         return time.monotonic() - t0
 
     def release(self) -> None:
-        """Give back a running slot; the first live waiter (by priority, then arrival) takes it."""
-        if self._heap:
-            priority, _, fut = heapq.heappop(self._heap)
-            self._forget(priority)
-            fut.set_result(None)
+        """Give back a running slot; the first live waiter (by priority, then arrival) takes it,
+        unless a resize left more running than the bound."""
+        self._follow()
+        if self._heap and self.running <= self.max_running:
+            self._grant()
             return
         self.running -= 1
+
+    def resize(self, max_running: int) -> None:
+        """A new bound (the pools grew or shrank): waiters take the slots it adds now; a smaller
+        one lets running requests finish, and their slots go."""
+        self.max_running = max_running
+        while self._heap and self.running < self.max_running:
+            self.running += 1
+            self._grant()
+
+    def _follow(self) -> None:
+        if self._bound is not None:
+            self.resize(self._bound())
+
+    def _grant(self) -> None:
+        priority, _, fut = heapq.heappop(self._heap)
+        self._forget(priority)
+        fut.set_result(None)
 
     def _forget(self, priority: int) -> None:
         self._waiting[priority] -= 1

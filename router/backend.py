@@ -77,6 +77,11 @@ class Backend(Protocol):
         """True when a request could be served: a prefill and a decode worker up, or a colocated one."""
         ...
 
+    def serving_workers(self) -> int:
+        """The workers up that run streams (decode and colocated, not draining): what the
+        router's running bound scales with (router/settings.py)."""
+        ...
+
     def emit(self, kind: str, **fields: Any) -> None:
         """Record a cluster event (scaled, autoscale, worker died, ...)."""
         ...
@@ -93,6 +98,10 @@ def is_up(worker: dict[str, Any]) -> bool:
 def ready_from(workers: Sequence[dict[str, Any]]) -> bool:
     roles = {w.get("role") for w in workers if is_up(w)}
     return {"prefill", "decode"} <= roles or "colocated" in roles
+
+
+def serving_from(workers: Sequence[dict[str, Any]]) -> int:
+    return sum(w.get("role") in ("decode", "colocated") for w in workers if is_up(w))
 
 
 def context_length(path: str | Path) -> int:
@@ -160,5 +169,10 @@ class ClusterBackend:
 
     def ready(self) -> bool:
         """From the request path's view: still true while Redis is away, as serving is."""
-        view = self.cluster.view.current()
-        return ready_from([{**info, "state": "up"} for info in view.live().values()])
+        return ready_from(self._live())
+
+    def serving_workers(self) -> int:
+        return serving_from(self._live())
+
+    def _live(self) -> list[dict[str, Any]]:
+        return [{**info, "state": "up"} for info in self.cluster.view.current().live().values()]

@@ -55,7 +55,12 @@ def install(app: FastAPI, d: Dispatcher, backend: Backend) -> None:
             raise admin_error(e, d.settings.retry_after_s) from e
         return {
             "pools": pools(status),
-            "load": {"running": d.admission.running, "waiting": d.admission.waiting, **d.recent.summary()},
+            "load": {
+                "running": d.admission.running,
+                "waiting": d.admission.waiting,
+                "max_running": d.settings.running_bound(backend.serving_workers()),
+                **d.recent.summary(),
+            },
             "events": [_event(i, f) for i, f in events],
             "requests": [as_json(r) for r in d.recent.last(LAST_REQUESTS)],
             "admin": d.settings.admin_token is not None,

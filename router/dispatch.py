@@ -167,7 +167,8 @@ class Dispatcher:
         self.backend = backend
         self.settings = settings
         self.metrics = metrics
-        self.admission = Admission(settings.max_running, settings.max_waiting, settings.max_waiting_total)
+        self.admission = Admission(lambda: settings.running_bound(backend.serving_workers()),  # the pools' size now
+                                   settings.max_waiting, settings.max_waiting_total)  # fmt: skip
         self.window = LoadWindow()  # what the autoscaler reads
         self.recent = RecentRequests()  # what the console shows
         self.room = RoomQueue()  # requests waiting for a worker with room, oldest first

@@ -148,7 +148,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="after each P/D turn, copy the answer's KV from the decode worker to the prefill worker's cache",
     )
-    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="requests the router runs at once (default: 64 for each decode or colocated worker up, as pools change)",
+    )
     ap.add_argument(
         "--queue-timeout",
         type=float,

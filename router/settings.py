@@ -9,11 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.routing import RoutingPolicy
 
+RUNNING_PER_WORKER = 64  # requests in the backend for each decode or colocated worker up
+
 
 class RouterSettings(BaseModel):
     """How the router listens, admits, retries and authenticates. Frozen once built.
 
-    max_running requests run in the backend at once; beyond that up to max_waiting wait per
+    max_running requests run in the backend at once (None: RUNNING_PER_WORKER for each worker up
+    that runs streams, as pools grow and shrink); beyond that up to max_waiting wait per
     priority level (max_waiting_total in all) for at most queue_timeout_s; past either bound
     the router answers 429 with Retry-After. admin_token None disables the admin API (403)
     unless allow_loopback_admin and the caller is on loopback. Non-empty api_keys make /v1 ask
@@ -27,7 +30,7 @@ class RouterSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     model_name: str = ""  # "" = the backend's name for its model
-    max_running: int = Field(default=64, ge=1)
+    max_running: int | None = Field(default=None, ge=1)
     max_waiting: int = Field(default=64, ge=0)
     max_waiting_total: int = Field(default=256, ge=0)
     queue_timeout_s: float = Field(default=30.0, gt=0)
@@ -67,6 +70,10 @@ class RouterSettings(BaseModel):
         if self.min_priority > self.max_priority:
             raise ValueError(f"min_priority ({self.min_priority}) must be <= max_priority ({self.max_priority})")
         return self
+
+    def running_bound(self, serving_workers: int) -> int:
+        """Requests the router runs at once, with `serving_workers` decode or colocated workers up."""
+        return self.max_running or RUNNING_PER_WORKER * max(serving_workers, 1)
 
     def clamp_priority(self, priority: int) -> int:
         return min(max(priority, self.min_priority), self.max_priority)

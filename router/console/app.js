@@ -120,7 +120,8 @@ function renderLoad(load) {
   push(history.running, load.running);
   push(history.waiting, load.waiting);
   $("load-now").textContent = `${load.requests} requests in the last ${load.span_s} s, ` +
-    `${load.tokens_per_s.toFixed(1)} tokens/s, ${load.running} running, ${load.waiting} waiting`;
+    `${load.tokens_per_s.toFixed(1)} tokens/s, ${load.running} running (at most ${load.max_running}), ` +
+    `${load.waiting} waiting`;
   draw("chart-ttft", [{ data: history.ttft50, color: "#3b7dd8" }, { data: history.ttft90, color: "#b3261e" }]);
   draw("chart-tpot", [{ data: history.tpot50, color: "#3b7dd8" }, { data: history.tpot90, color: "#b3261e" }]);
   draw("chart-tps", [{ data: history.tps, color: "#2f8f5b" }]);

@@ -102,6 +102,10 @@ def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="anything", max_retries=0, timeout=120)
 
 
+def max_running(url: str) -> int:
+    return int(httpx.get(f"{url}/console/api/state", headers=ADMIN).json()["load"]["max_running"])
+
+
 def up(url: str, role: str) -> int:
     pools = httpx.get(f"{url}/admin/pools", headers=ADMIN, timeout=30).json()
     draining = sum(1 for w in pools["workers"] if w["role"] == role and w["state"] != "up")
@@ -234,6 +238,7 @@ def test_admin_scales_pools_and_cache_aware_routing(
     assert r.status_code == 200 and r.json() == {"role": "decode", "replicas": 2}
     assert httpx.post(f"{url}/admin/pools/prefill", json={"replicas": 2}, headers=ADMIN).status_code == 200
     until(lambda: up(url, "decode") == 2 and up(url, "prefill") == 2, 240, "2 prefill + 2 decode workers")
+    until(lambda: max_running(url) == 128, 5, "the router's bound, 64 a decode worker")
     pools = httpx.get(f"{url}/admin/pools", headers=ADMIN).json()
     assert pools["desired"]["decode"] == 2 and all("kv_usage" in w and w["node"] for w in pools["workers"])
 
@@ -264,6 +269,7 @@ def test_admin_scales_pools_and_cache_aware_routing(
 
     assert httpx.post(f"{url}/admin/rebalance", json={"prefill": 1, "decode": 1}, headers=ADMIN).status_code == 200
     until(lambda: up(url, "decode") == 1 and up(url, "prefill") == 1, 120, "pools back to 1 + 1")
+    until(lambda: max_running(url) == 64, 5, "the router's bound back")
     cluster.check_integrity()
 
 

@@ -24,7 +24,7 @@ from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.app import create_app
-from router.backend import ModelInfo, ready_from
+from router.backend import ModelInfo, ready_from, serving_from
 from router.settings import RouterSettings
 
 TEXT = " The quick brown fox jumps over the lazy dog, again and again, until the day is done."
@@ -136,6 +136,9 @@ class FakeBackend:
 
     def ready(self) -> bool:
         return ready_from(self.workers)
+
+    def serving_workers(self) -> int:
+        return serving_from(self.workers)
 
     def emit(self, kind: str, **fields: Any) -> None:
         entry = {"kind": kind, **{k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}}

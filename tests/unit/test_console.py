@@ -25,6 +25,7 @@ def test_state_has_pools_load_events_and_requests(smollm_tokenizer: Tokenizer) -
     s = c.get("/console/api/state").json()  # no token needed: read-only
     assert [w["worker_id"] for w in s["pools"]["workers"]] == ["p0", "d0"]
     assert s["admin"] is True and s["load"]["requests"] == 1 and s["load"]["running"] == 0
+    assert s["load"]["max_running"] == 64  # one decode worker up
     assert s["load"]["ttft_p50_s"] is not None and s["load"]["tokens_per_s"] > 0
     (req,) = s["requests"]
     assert req["status"] == 200 and req["completion_tokens"] == 3

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from engine.tokenizer import Tokenizer
 from router.admission import Admission
 from router.app import create_app
+from router.backend import serving_from
 from router.errors import Saturated
 from router.settings import RouterSettings
 from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, sample, worker
@@ -192,3 +193,42 @@ def test_admission_priority_order_and_bounds() -> None:
         return order
 
     assert asyncio.run(main()) == [1, 5, 5]
+
+
+def test_the_running_bound_follows_the_pools_size() -> None:
+    """Admission's bound read from a function at each acquire and release: waiters take the
+    slots a bigger pool adds at once; a smaller one lets running requests finish first."""
+
+    async def main() -> None:
+        size = [1]
+        adm = Admission(lambda: size[0], max_waiting=8, max_waiting_total=8)
+        assert await adm.acquire(0, 1.0) == 0.0
+        waiters = [asyncio.create_task(adm.acquire(0, 5.0)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert (adm.running, adm.waiting) == (1, 3)
+        size[0] = 3  # a worker joined: the next acquire or release sees it
+        with pytest.raises(Saturated):  # (still queued behind the three)
+            await adm.acquire(0, 0.01)
+        await asyncio.sleep(0)
+        assert (adm.running, adm.waiting) == (3, 1) and sum(w.done() for w in waiters) == 2
+        size[0] = 1  # two workers left: the running finish, their slots go with them
+        adm.release()
+        assert (adm.running, adm.waiting) == (2, 1)
+        adm.release()
+        assert (adm.running, adm.waiting) == (1, 1)
+        adm.release()  # under the bound again: the last waiter takes the slot
+        await asyncio.gather(*waiters)
+        assert (adm.running, adm.waiting) == (1, 0)
+        adm.release()
+        assert adm.running == 0
+
+    asyncio.run(main())
+
+
+def test_the_router_runs_requests_for_each_worker_that_streams_unless_told() -> None:
+    assert RouterSettings().running_bound(0) == 64  # none up yet: as one
+    assert RouterSettings().running_bound(3) == 192
+    assert RouterSettings(max_running=5).running_bound(3) == 5
+    workers = [worker("p0", "prefill"), worker("d0", "decode"), worker("d1", "decode", draining=True),
+               worker("d2", "decode", state="starting"), worker("c0", "colocated")]  # fmt: skip
+    assert serving_from(workers) == 2
