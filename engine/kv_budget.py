@@ -32,11 +32,13 @@ class KVBudget:
     budget_bytes: int
     available_bytes: int
     share: float  # of the host's memory this worker may take (its cores' share of KV_SHARE)
+    cap: int | None
 
     def describe(self, block_bytes: int, block_size: int) -> str:
         mb = self.num_blocks * block_bytes >> 20
+        capped = f", at most {self.cap >> 20:,} MB" if self.cap is not None else ""
         return (f"{self.num_blocks} blocks ({self.num_blocks * block_size:,} tokens, {mb:,} MB): "
-                f"{self.share:.3g} of {self.available_bytes >> 20:,} MB available")  # fmt: skip
+                f"{self.share:.3g} of {self.available_bytes >> 20:,} MB available{capped}")  # fmt: skip
 
 
 def auto_blocks(
@@ -51,7 +53,7 @@ def auto_blocks(
     if cap is not None:
         budget = min(budget, cap)
     one_context = -(-max_model_len // block_size)
-    return KVBudget(max(budget // block_bytes, one_context), budget, available, share)
+    return KVBudget(max(budget // block_bytes, one_context), budget, available, share, cap)
 
 
 def cpu_share(num_threads: int | None, cores: int | None) -> float:

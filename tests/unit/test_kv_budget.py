@@ -14,6 +14,11 @@ def test_blocks_are_the_share_of_memory_a_block_size_each() -> None:
     sized = auto_blocks(block_bytes=1000, block_size=16, max_model_len=160, available=1_000_000, share=0.25, cap=None)
     assert (sized.num_blocks, sized.budget_bytes, sized.available_bytes) == (250, 250_000, 1_000_000)
     assert sized.describe(1000, 16) == "250 blocks (4,000 tokens, 0 MB): 0.25 of 0 MB available"
+    big = auto_blocks(1 << 20, 16, 160, 64 << 30, 0.125, cap=2 << 30)
+    assert (
+        big.describe(1 << 20, 16)
+        == "2048 blocks (32,768 tokens, 2,048 MB): 0.125 of 65,536 MB available, at most 2,048 MB"
+    )
 
 
 def test_the_cap_bounds_the_budget_and_one_context_is_the_floor() -> None:
