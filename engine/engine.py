@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
-from engine.kv_budget import GPU_SHARE, KV_CAP_BYTES, auto_blocks, available_bytes, cpu_share
+from engine.kv_budget import cache_blocks
 from engine.kv_cache import KVCacheManager
 from engine.kv_codec import KVCodec
 from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
@@ -60,20 +59,18 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         codec = KVCodec.of(config.kv_dtype, model.dtype, model.quantized)
-        if config.num_blocks is None:
-            config = dataclasses.replace(config, num_blocks=self._auto_blocks(config, codec))
-        assert config.num_blocks is not None
-        self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        num_blocks = config.num_blocks or cache_blocks(model, codec, config, self.max_model_len)
+        self.config = config = dataclasses.replace(config, num_blocks=num_blocks)  # None sized, as it ran
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         graphed = config.cuda_graphs and model.device.type == "cuda"
         # with graphs, one block more than the block manager hands out: padding rows write there
-        blocks = config.num_blocks + (1 if graphed else 0)
+        blocks = num_blocks + (1 if graphed else 0)
         self.cache = PagedKVCache(model.config, blocks, config.block_size, model.dtype, codec, model.device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk)
         self.runner = ModelRunner(model, self.cache, self.kv)
         if graphed:
             widest = -(-self.max_model_len // config.block_size)
-            self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=config.num_blocks)
+            self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=num_blocks)
         self.speculator = speculator_for(config, self.kv, self.max_model_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
@@ -85,21 +82,6 @@ class Engine:
         self.layer_hook: Callable[[SchedulerOutput], LayerCallback | None] | None = None
         eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
         self._eos_ids: frozenset[int] = frozenset(eos)
-
-    def _auto_blocks(self, config: EngineConfig, codec: KVCodec) -> int:
-        """num_blocks for a config that names none: engine/kv_budget.py."""
-        m = self.model.config
-        block_bytes = m.num_layers * 2 * config.block_size * m.num_kv_heads * codec.width(m.head_dim)
-        block_bytes *= codec.storage.itemsize
-        if self.model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.model.device)
-            sized = auto_blocks(block_bytes, config.block_size, self.max_model_len, free, GPU_SHARE, None)
-        else:
-            share = cpu_share(config.num_threads, os.cpu_count())
-            sized = auto_blocks(block_bytes, config.block_size, self.max_model_len, available_bytes(), share,
-                                KV_CAP_BYTES)  # fmt: skip
-        log.info("KV cache auto -> %s", sized.describe(block_bytes, config.block_size))
-        return sized.num_blocks
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:

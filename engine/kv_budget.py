@@ -11,13 +11,28 @@ decode worker ran ~10 streams that each reserved 256 + 512 tokens while gigabyte
 Workers of one host split its memory as they split its cores (a worker that takes every core
 takes the whole share). `available` is MemAvailable, or the cgroup's limit less its usage where
 that is lower (a container). On a GPU, which a worker has to itself: GPU_SHARE of the device's
-free memory once the weights are on it, no cap. Pure but for `available_bytes`.
+free memory once the weights are on it, no cap. `auto_blocks` is the rule, pure; `cache_blocks`
+puts an engine's facts to it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.paged_cache import block_bytes
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.kv_codec import KVCodec
+    from engine.model import LlamaModel
+
+log = logging.getLogger(__name__)
 
 KV_SHARE = 0.25  # of the host's available memory, over all its workers
 KV_CAP_BYTES = 2 << 30  # a worker's at most, on a CPU
@@ -39,6 +54,20 @@ class KVBudget:
         capped = f", at most {self.cap >> 20:,} MB" if self.cap is not None else ""
         return (f"{self.num_blocks} blocks ({self.num_blocks * block_size:,} tokens, {mb:,} MB): "
                 f"{self.share:.3g} of {self.available_bytes >> 20:,} MB available{capped}")  # fmt: skip
+
+
+def cache_blocks(model: LlamaModel, codec: KVCodec, config: EngineConfig, max_model_len: int) -> int:
+    """num_blocks for an engine whose config names none, on the model's device (logged)."""
+    block_size = config.block_size
+    size = block_bytes(model.config, block_size, codec)
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        sized = auto_blocks(size, block_size, max_model_len, free, GPU_SHARE, None)
+    else:
+        share = cpu_share(config.num_threads, os.cpu_count())
+        sized = auto_blocks(size, block_size, max_model_len, available_bytes(), share, KV_CAP_BYTES)
+    log.info("KV cache auto -> %s", sized.describe(size, block_size))
+    return sized.num_blocks
 
 
 def auto_blocks(

@@ -33,6 +33,11 @@ from engine.config import ModelConfig
 from engine.kv_codec import KVCodec
 
 
+def block_bytes(model: ModelConfig, block_size: int, codec: KVCodec) -> int:
+    """Bytes of one block across all layers, keys and values, as `codec` stores them."""
+    return model.num_layers * 2 * block_size * model.num_kv_heads * codec.width(model.head_dim) * codec.storage.itemsize
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of zeros. On the CPU it lies over an anonymous mapping, whose pages the kernel
     gives, zeroed, as they are first written: a cache sized for the host's memory (engine/
@@ -65,6 +70,7 @@ class PagedKVCache:
         self.head_dim = model.head_dim
         self.width = self.codec.width(model.head_dim)
         self.dtype = self.codec.storage  # of the tensor: what KV transfer moves
+        self._block_bytes = block_bytes(model, block_size, self.codec)
         shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, self.width)
         self._place(_zeros(shape, self.dtype, torch.device(device)))
 
@@ -101,7 +107,7 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, keys and values."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.width * self.kv.element_size()
+        return self._block_bytes
 
     def write(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
