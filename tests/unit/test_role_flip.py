@@ -39,6 +39,18 @@ def test_an_engine_switches_role_only_idle_and_only_where_nothing_reloads(tiny_m
     e.check_integrity()
 
 
+def test_a_flip_that_leaves_the_cache_to_memory_keeps_the_engines(tiny_model: LlamaModel) -> None:
+    """The cluster's config says num_blocks None (sized from memory where each worker starts);
+    the engine holds the count it came to, and a flip keeps it."""
+    e = make_engine(tiny_model, num_blocks=64, role="prefill")  # as a cache sized from memory came out
+    check_switch(e, replace(e.config, num_blocks=None, role="decode"))
+    switch_role(e, replace(e.config, num_blocks=None, role="decode"))
+    assert (e.config.role, e.config.num_blocks) == ("decode", 64)
+    with pytest.raises(ValueError, match="num_blocks differ"):
+        check_switch(e, replace(e.config, num_blocks=32))
+    e.check_integrity()
+
+
 def test_workers_flip_roles_keeping_their_engines_and_serve_the_same_tokens(model_dir: str) -> None:
     p = PrefillWorker("w1", model_dir, replace(CFG, role="prefill"))
     d = DecodeWorker("w2", model_dir, replace(CFG, role="decode"))
