@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 
 from cluster.inflight import InflightLedger, WorkerLoad
-from cluster.routing import Route, RoutingPolicy, plan_route
+from cluster.routing import Route, RoutingPolicy, plan_route, planned_blocks
 from cluster.state import ClusterState
 from cluster.view import ClusterView, ViewRefresher
 from cluster.worker_view import WorkerView
@@ -58,8 +58,9 @@ class Placer:
 
     def cost(self, prompt_tokens: int, params: SamplingParams, route: Route) -> tuple[int, int]:
         """Blocks a request on `route` holds on its decode worker, tokens it queues for prefill."""
-        blocks = -(-(prompt_tokens + params.max_tokens) // self._block_size)
-        return blocks, max(prompt_tokens - route.cached_tokens, 1)
+        return planned_blocks(prompt_tokens, params.max_tokens, self._block_size), max(
+            prompt_tokens - route.cached_tokens, 1
+        )
 
     def _route(
         self,

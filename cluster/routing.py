@@ -23,6 +23,18 @@ from dataclasses import dataclass
 
 from cluster.worker_view import WorkerView, live, pick_colocated, pick_decode, pick_local, pick_prefill, prefill_eta
 
+# The room a request plans for on its worker: its prompt and its answer up to this many tokens.
+# A longer answer takes blocks as it goes (heartbeats report them), and a full engine makes room
+# by preemption (recompute, engine/scheduler.py), as vLLM's does for every request. Planning
+# for max_tokens whole, a chat that names none (the rest of the context, ~8K tokens) had held
+# an eleventh of a worker's blocks (93,200 tokens) from its first token.
+ANSWER_PLAN_TOKENS = 1024
+
+
+def planned_blocks(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """Blocks a request is counted for where it decodes (ANSWER_PLAN_TOKENS)."""
+    return -(-(prompt_tokens + min(max_tokens, ANSWER_PLAN_TOKENS)) // block_size)
+
 
 @dataclass(frozen=True)
 class RoutingPolicy:
@@ -174,7 +186,7 @@ def plan_route(
     index's answer for prefill and decode workers. None: nowhere to run."""
     policy = policy or RoutingPolicy()
     by_id = {w.worker_id: w for w in workers}
-    blocks = -(-(prompt_tokens + max_tokens) // block_size)
+    blocks = planned_blocks(prompt_tokens, max_tokens, block_size)
     prefill = pick_prefill(workers, cached_blocks, prompt_tokens, block_size, exclude)
     cached = min(cached_blocks.get(prefill, 0) * block_size, prompt_tokens) if prefill is not None else 0
     found = pick_local(workers, cached_blocks, prompt_tokens, blocks, block_size, policy.local_below_tokens, exclude)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +35,11 @@ class StreamOptions(_Body):
 
 
 class _Common(_Body):
+    # max_tokens when a request leaves it out and the router sets no default: None = the rest of
+    # the context (OpenAI's and vLLM's chat; a 256-token cap here had cut a third of SmolLM2's
+    # answers short, each with finish_reason "length")
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -57,6 +62,11 @@ class _Common(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def _default_max(self, router_default: int | None, room: int) -> int:
+        """max_tokens for a request that names none: `room` is what its prompt leaves of the context."""
+        default = router_default if router_default is not None else self.DEFAULT_MAX_TOKENS
+        return room if default is None else min(default, room)
+
     def check_supported(self) -> None:
         """Refuse, with a message, what this server does not do (rather than ignore it)."""
         if self.n != 1:
@@ -73,10 +83,16 @@ class _Common(_Body):
             raise APIError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
 
     def sampling(
-        self, prompt: PromptTokens, model: ModelInfo, default_max: int, max_tokens: int | None, logprobs: int | None
+        self,
+        prompt: PromptTokens,
+        model: ModelInfo,
+        default_max: int | None,
+        max_tokens: int | None,
+        logprobs: int | None,
     ) -> SamplingParams:
-        """SamplingParams for `prompt`. Raises PromptTooLongError (413), InvalidRequestError (400)
-        for what does not fit the context or the engine refuses."""
+        """SamplingParams for `prompt`; with no `max_tokens`, `default_max` (the router's) or
+        DEFAULT_MAX_TOKENS, within the context. Raises PromptTooLongError (413),
+        InvalidRequestError (400) for what does not fit the context or the engine refuses."""
         prompt_len = len(prompt.ids)
         limit = model.max_model_len
         if prompt_len >= limit:
@@ -91,7 +107,7 @@ class _Common(_Body):
             )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else min(default_max, limit - prompt_len),
+            max_tokens=max_tokens if max_tokens is not None else self._default_max(default_max, limit - prompt_len),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
@@ -177,6 +193,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions, vLLM's and SGLang's
+
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

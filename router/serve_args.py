@@ -155,6 +155,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="requests the router runs at once (default: 64 for each decode or colocated worker up, as pools change)",
     )
     ap.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens for a request that sets none (default: as OpenAI's API: chat the rest of the context, "
+        "completions 16)",
+    )
+    ap.add_argument(
         "--queue-timeout",
         type=float,
         default=30.0,

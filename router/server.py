@@ -73,6 +73,7 @@ def _settings(args: argparse.Namespace) -> RouterSettings:
             port=args.port,
             model_name=args.served_model_name,
             max_running=args.max_running,
+            default_max_tokens=args.default_max_tokens,
             queue_timeout_s=args.queue_timeout,
             colocate_below_tokens=args.colocate_below,
             **({"local_below_tokens": args.local_below} if args.local_below is not None else {}),

@@ -36,7 +36,9 @@ class RouterSettings(BaseModel):
     queue_timeout_s: float = Field(default=30.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)
     max_attempts: int = Field(default=2, ge=1, le=5)
-    default_max_tokens: int = Field(default=256, ge=1)
+    # max_tokens where a request leaves it out; None: each API's own default, as OpenAI and vLLM
+    # have it (chat: the rest of the context; completions: 16)
+    default_max_tokens: int | None = Field(default=None, ge=1)
     admin_token: str | None = None
     allow_loopback_admin: bool = False
     api_keys: tuple[str, ...] = ()
