@@ -1,11 +1,17 @@
-"""In join mode (`tandem serve --join`): whether the Ray cluster is still there.
+"""Whether the Ray this router runs on is still there: its GCS and this host's raylet.
 
-`ray down`, or a head node that dies, takes the GCS away. Ray's client in this process then
-retries for a minute (`gcs_rpc_server_reconnect_timeout_s`) and aborts the process; every Ray
-call meanwhile blocks rather than fails. So the watch does not ask Ray: it opens a TCP
-connection to the GCS's port, which a stopped GCS refuses at once and a dead host lets time
-out. Unreachable for GONE_AFTER_S in a row, the cluster is gone: serving stops cleanly, and the
-exit leaves Ray's own exit hook out (it would wait on the GCS again).
+- `ray down`, or a head node that dies, takes the GCS away. Ray's client in this process then
+  retries for a minute (`gcs_rpc_server_reconnect_timeout_s`) and aborts the process; every Ray
+  call meanwhile blocks rather than fails.
+- A raylet that dies takes its node with it: the GCS marks the node's actors dead (the pool
+  manager, the workers), so nothing replaces them, while their processes live on, orphaned,
+  and heartbeat into Redis: `/ready` said 200 and every request got a 503, for as long as
+  `tandem serve` ran (the raylet it started stays a zombie until it exits, and a Ray worker
+  only leaves once its raylet's pid is gone).
+
+So the watch does not ask Ray: it opens a TCP connection to the GCS's port and the raylet's,
+which a stopped process refuses at once and a dead host lets time out. Either unreachable for
+GONE_AFTER_S in a row, serving stops, and `tandem serve` exits 1 (a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ INTERVAL_S = 2.0
 CONNECT_S = 1.0
 
 
-def gcs_reachable(address: str, timeout_s: float = CONNECT_S) -> bool:
+def port_open(address: str, timeout_s: float = CONNECT_S) -> bool:
     """Whether something accepts a TCP connection at `address` ("host:port") within timeout_s."""
     host, _, port = address.rpartition(":")
     try:
@@ -58,3 +64,29 @@ class RayWatch:
     def start(self, stop: threading.Event, on_gone: Callable[[], None]) -> RayWatch:
         threading.Thread(target=self.run, args=(stop, on_gone), name="ray-watch", daemon=True).start()
         return self
+
+
+def ray_addresses() -> tuple[str, str | None]:
+    """This process's GCS and its node's raylet, as "host:port" (the raylet None where Ray lists
+    no node of this driver's)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    nodes = [n for n in ray.nodes() if n.get("NodeID") == node_id]  # type: ignore[no-untyped-call]
+    raylet = f"{nodes[0]['NodeManagerAddress']}:{nodes[0]['NodeManagerPort']}" if nodes else None
+    return context.gcs_address, raylet
+
+
+def watch_ray(stop: threading.Event, on_gone: Callable[[str], None]) -> RayWatch:
+    """Start a RayWatch over this process's GCS and raylet; `on_gone` gets what is gone, in words."""
+    gcs, raylet = ray_addresses()
+
+    def reachable() -> bool:
+        return port_open(gcs) and (raylet is None or port_open(raylet))
+
+    def gone() -> None:
+        node = "this host's Ray node is gone (its raylet stopped)"
+        on_gone("the Ray cluster is gone" if not port_open(gcs) else node)
+
+    return RayWatch(reachable).start(stop, gone)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ import uvicorn
 from cluster.start_failures import WorkersCannotStart
 from router import autoscale_flags, stopping
 from router.port_check import PortUnavailable, check_port_free
-from router.ray_watch import RayWatch, gcs_reachable
+from router.ray_watch import RayWatch, watch_ray
 from router.serve_args import parse
 from router.settings import RouterSettings
 
@@ -106,15 +105,13 @@ def _sizes(cluster: Any) -> str:
 
 
 def _watch_ray(stop: threading.Event) -> RayWatch:
-    """In join mode: once the Ray cluster is gone (`ray down`), stop serving (router.ray_watch)."""
-    import ray
+    """Once the Ray cluster (`ray down`) or this host's raylet is gone, stop serving (router.ray_watch)."""
 
-    def gone() -> None:
-        print("the Ray cluster is gone; stopping", flush=True)
+    def gone(what: str) -> None:
+        print(f"{what}; stopping", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    address = ray.get_runtime_context().gcs_address
-    return RayWatch(functools.partial(gcs_reachable, address)).start(stop, gone)
+    return watch_ray(stop, gone)
 
 
 def http_server(app: Any, settings: RouterSettings) -> uvicorn.Server:
@@ -233,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: joined the pools running in namespace {args.namespace!r} ({_sizes(cluster)}): their "
               "sizes, engine and transport stand (the flags above apply to new pools only)", flush=True)  # fmt: skip
     loaded, stop = threading.Event(), threading.Event()  # stop: ends the Ray-watch and autoscaler threads
-    watch = _watch_ray(stop) if cluster.joined_ray else None
+    watch = _watch_ray(stop)
     code = 0
     try:
         threading.Thread(target=_progress, args=(cluster, loaded, started), daemon=True).start()
@@ -248,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded.set()
         stop.set()
         print("tandem: shutting down ...", flush=True)
-        ray_gone = watch is not None and watch.gone.is_set()
+        # a joined Ray's GCS gone: every Ray call would block. Ray of this command's own: its
+        # bounded steps still stop what answers, and ray.shutdown the processes it started
+        ray_gone = watch.gone.is_set() and cluster.joined_ray
+        if watch.gone.is_set():
+            code = 1  # not a stop anyone asked for: a supervisor restarts it
         if cluster.keeps_pools and not ray_gone:
             print("tandem: leaving the pools running for the cluster and its other routers (--stop-pools: "
                   "stop them)", flush=True)  # fmt: skip

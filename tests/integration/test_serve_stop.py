@@ -3,7 +3,7 @@ group at once, so Ray's raylet and GCS die beside it and Ray stops answering its
 It used to wait 90 s on Ray's client and die with a fatal error; every shutdown step is now
 bounded (cluster/shutdown.py), so it exits 0 and leaves no process behind. And a SIGTERM
 while the workers load stops the start, also with 0 (router/stopping.py). A frozen pool manager
-is killed rather than waited for."""
+is killed rather than waited for. A raylet that dies stops serve, with exit 1."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import ray
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.manager_link import MANAGER_PING_S
 from engine.config import EngineConfig
+from router.ray_watch import GONE_AFTER_S
 from tests.integration.waits import until
 from tests.ports import free_port
 
@@ -165,3 +166,20 @@ def alive(pid: int) -> bool:
 def named(namespace: str) -> list[str]:
     """The named actors alive in `namespace`."""
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+
+
+def test_a_dead_raylet_stops_serve_with_exit_1(tmp_path: Path) -> None:
+    """The raylet killed: its node's actors are dead to Ray while their processes, orphaned,
+    heartbeat on, so `/ready` said 200 and every request got a 503 for as long as serve ran.
+    Now serve stops (router.ray_watch), exits 1 for a supervisor to restart it, and leaves no
+    process behind."""
+    with serve(tmp_path) as s:
+        until(lambda: ready(s.url, s.proc), READY_S, "tandem serve to be ready")
+        raylets = [line for line in described(in_session(s.proc.pid)) if "/raylet" in line.split(" ")[1]]
+        assert len(raylets) == 1, described(in_session(s.proc.pid))
+        os.kill(int(raylets[0].split(" ")[0]), signal.SIGKILL)
+        code = s.proc.wait(timeout=GONE_AFTER_S + STOP_S)
+        out = s.output()
+        assert code == 1 and "this host's Ray node is gone (its raylet stopped); stopping" in out, out[-3000:]
+        assert out.rstrip().endswith("tandem: stopped"), out[-3000:]
+        until(lambda: not in_session(s.proc.pid), 30, "every process of the service to be gone")

@@ -1,4 +1,4 @@
-"""router.ray_watch: a joined router notices its Ray cluster is gone without asking Ray."""
+"""router.ray_watch: a router notices its Ray (the GCS, this host's raylet) is gone without asking Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from router.ray_watch import RayWatch, gcs_reachable
+from router.ray_watch import RayWatch, port_open
 
 
 def answers(*values: bool) -> Iterator[bool]:
@@ -21,9 +21,9 @@ def test_a_listening_port_is_reachable_and_a_closed_one_is_not() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         address = f"127.0.0.1:{s.getsockname()[1]}"
-        assert gcs_reachable(address)
-    assert not gcs_reachable(address)  # refused at once, as after `ray stop`
-    assert not gcs_reachable("no port here")
+        assert port_open(address)
+    assert not port_open(address)  # refused at once, as after `ray stop`
+    assert not port_open("no port here")
 
 
 def test_gone_once_unreachable_for_the_whole_window() -> None:
