@@ -36,7 +36,7 @@ from cluster.view import ViewRefresher
 from cluster.worker_actors import kill_workers
 from engine.core_ledger import ledger_path
 from engine.sampling_params import SamplingParams
-from kv_transfer import in_place
+from kv_transfer import shm_files
 
 if TYPE_CHECKING:
     from cluster.manager_link import ManagerStatus
@@ -118,6 +118,7 @@ class Cluster:
             config = manager_link.joined_config(config, manager)
         c = cls(config, url, redis, own_ray, joined_ray, manager, joined_pools)
         if not joined_pools:
+            shm_files.sweep()  # what a killed `tandem serve` left in this host's memory (up to 2 GiB a cache)
             for role in ("prefill", "decode", "colocated"):
                 c.scale(role, getattr(config, role))
         return c
@@ -270,6 +271,6 @@ class Cluster:
         if self.owns_ray:
             steps.append(Step("ray", ray.shutdown, ray=True))  # from a joined cluster: only this driver leaves
         if not self.keeps_pools:
-            steps.append(Step("kv caches", in_place.sweep))  # the shared KV caches of this host's killed decode workers
+            steps.append(Step("kv caches", shm_files.sweep))  # what this host's killed workers left in /dev/shm
             steps.append(Step("core ledger", lambda: ledger_path(self.config.namespace).unlink(missing_ok=True)))
         return run_steps(steps, ray_gone)

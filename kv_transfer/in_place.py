@@ -23,9 +23,6 @@ locked the same way by their owners, so a file left by a killed process is swept
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import glob
 import logging
 import mmap
 import os
@@ -36,73 +33,16 @@ import weakref
 import torch
 
 from engine.paged_cache import PagedKVCache
-from kv_transfer.payload import SHM_DIR
+from kv_transfer.shm_files import CACHE_PREFIX, HOLDER_PREFIX, create_locked, held, shm_path, unlink
 
 log = logging.getLogger(__name__)
 
-CACHE_PREFIX = "tandem-kvc-"  # a receiver's whole cache
-HOLDER_PREFIX = "tandem-kvh-"  # a sender's liveness lock
 _PIECE_BYTES = 1 << 20  # a gather's buffer for scattered blocks: stays in cache between its two passes
-
-
-def shm_path(name: str, prefix: str) -> str:
-    """The /dev/shm path of `name`. Raises ValueError unless it is one of ours with that prefix."""
-    if "/" in name or not name.startswith(prefix):
-        raise ValueError(f"bad shm name {name!r}")
-    return os.path.join(SHM_DIR, name)
-
-
-def _locked(prefix: str, nbytes: int) -> tuple[str, int]:
-    """A new /dev/shm file of `nbytes` (space reserved: a full /dev/shm fails here, not as a
-    SIGBUS on a later write), flock-shared by this process until it exits. Raises OSError."""
-    sweep()
-    name = f"{prefix}{os.getpid()}-{secrets.token_hex(6)}"
-    path = shm_path(name, prefix)
-    unborn = os.path.join(SHM_DIR, f".{name}")  # locked before it gets a name a sweep looks at
-    fd = os.open(unborn, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
-        os.rename(unborn, path)
-    except OSError:
-        os.close(fd)
-        _unlink(unborn)
-        raise
-    return name, fd
 
 
 def is_holder(name: str) -> bool:
     """Whether `name` could be a holder lock (a Claim names one)."""
     return name.startswith(HOLDER_PREFIX) and "/" not in name
-
-
-def held(name: str, prefix: str = HOLDER_PREFIX) -> bool:
-    """Whether the process that made `name` still lives (holds its lock)."""
-    try:
-        fd = os.open(shm_path(name, prefix), os.O_RDONLY)
-    except (OSError, ValueError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def sweep() -> None:
-    """Unlink caches and holder locks whose owner is gone (killed before it could unlink them)."""
-    for prefix in (CACHE_PREFIX, HOLDER_PREFIX):
-        for path in glob.glob(os.path.join(SHM_DIR, prefix + "*")):
-            if not held(os.path.basename(path), prefix):
-                _unlink(path)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 _holder: str | None = None
@@ -114,8 +54,8 @@ def holder() -> str:
     global _holder
     with _holder_lock:
         if _holder is None:
-            name, _ = _locked(HOLDER_PREFIX, 0)  # the fd stays open: the lock lives with the process
-            weakref.finalize(holder, _unlink, shm_path(name, HOLDER_PREFIX))
+            name, _ = create_locked(HOLDER_PREFIX, 0)  # the fd stays open: the lock lives with the process
+            weakref.finalize(holder, unlink, shm_path(name, HOLDER_PREFIX))
             _holder = name
         return _holder
 
@@ -131,7 +71,7 @@ class SharedCache:
         self.name = name
         self.num_blocks = num_blocks
         self._fd = fd
-        weakref.finalize(self, _unlink, shm_path(name, CACHE_PREFIX))
+        weakref.finalize(self, unlink, shm_path(name, CACHE_PREFIX))
 
     @classmethod
     def share(cls, cache: PagedKVCache, contents: bool = True) -> SharedCache | None:
@@ -141,12 +81,12 @@ class SharedCache:
         nbytes = cache.kv.numel() * cache.kv.element_size()
         fd = -1
         try:
-            name, fd = _locked(CACHE_PREFIX, nbytes)
+            name, fd = create_locked(CACHE_PREFIX, nbytes)
             buf = mmap.mmap(fd, nbytes)
         except OSError as e:
             if fd >= 0:
                 os.close(fd)
-                _unlink(shm_path(name, CACHE_PREFIX))
+                unlink(shm_path(name, CACHE_PREFIX))
             log.warning("KV cache stays private (%d MB, /dev/shm: %s): same-host transfers copy twice", nbytes >> 20, e)
             return None
         cache.rehome(torch.frombuffer(buf, dtype=cache.dtype, count=cache.kv.numel()).view(cache.kv.shape), contents)
@@ -154,7 +94,7 @@ class SharedCache:
 
     def close(self) -> None:
         """Unlink the file (the mapping lives on with the cache; senders keep theirs)."""
-        _unlink(shm_path(self.name, CACHE_PREFIX))
+        unlink(shm_path(self.name, CACHE_PREFIX))
 
 
 class Fence:

@@ -13,8 +13,8 @@ from concurrent.futures import Future
 
 import torch
 
-from kv_transfer.in_place import CACHE_PREFIX, held, shm_path
 from kv_transfer.payload import ShmWriter
+from kv_transfer.shm_files import CACHE_PREFIX, held, shm_path
 from kv_transfer.wire import DTYPES, row_width
 from protos.gen import kv_transfer_pb2 as pb
 

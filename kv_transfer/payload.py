@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 import threading
 import weakref
 from collections import OrderedDict
@@ -27,10 +26,9 @@ from typing import Protocol
 
 import torch
 
+from kv_transfer.shm_files import SEGMENT_PREFIX, SHM_DIR, create_locked, shm_path
 from kv_transfer.wire import tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
-
-SHM_DIR = "/dev/shm"
 
 
 class PayloadWriter(Protocol):
@@ -72,15 +70,17 @@ class ShmSegmentPool:
     time and given back after its commit was answered (the receiver has read it all).
 
     `close` unlinks every segment; so does the interpreter's exit (or the pool's collection)
-    if `close` never ran, so a process that dies of an exception leaves nothing in /dev/shm."""
+    if `close` never ran, so a process that dies of an exception leaves nothing in /dev/shm,
+    and the next sweep those of a killed one (kv_transfer/shm_files.py: each is locked)."""
 
     def __init__(self, segment_bytes: int = 64 << 20) -> None:
         self.segment_bytes = max(segment_bytes, 1 << 20)
         self._free: list[tuple[str, mmap.mmap]] = []
         self._names: set[str] = set()  # every segment made and not yet unlinked
+        self._fds: list[int] = []  # each segment's lock, held until close
         self._lock = threading.Lock()
         self._closed = False
-        weakref.finalize(self, _unlink, self._names)
+        weakref.finalize(self, _unlink, self._names, self._fds)
 
     def acquire(self, need: int) -> tuple[str, mmap.mmap]:
         """A segment of at least `need` bytes. Raises RuntimeError once the pool is closed,
@@ -91,25 +91,23 @@ class ShmSegmentPool:
             for k, (_, buf) in enumerate(self._free):
                 if len(buf) >= need:
                     return self._free.pop(k)
-            name = f"tandem-kv-{os.getpid()}-{secrets.token_hex(6)}"
-            self._names.add(name)
         size = max(self.segment_bytes, need)
+        name, fd = create_locked(SEGMENT_PREFIX, 0)
         try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                buf = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            os.ftruncate(fd, size)  # sparse: pages come as they are written
+            buf = mmap.mmap(fd, size)
         except OSError:
-            with self._lock:
-                _unlink({name})
-                self._names.discard(name)
+            os.close(fd)
+            _unlink({name}, [])
             raise
         with self._lock:
-            if name in self._names:
+            if not self._closed:
+                self._names.add(name)
+                self._fds.append(fd)
                 return name, buf
-        buf.close()  # the pool closed (and unlinked it) while it was made
+        buf.close()  # the pool closed while it was made
+        os.close(fd)
+        _unlink({name}, [])
         raise RuntimeError("the shm segment pool is closed")
 
     def release(self, segments: list[tuple[str, mmap.mmap]]) -> None:
@@ -125,7 +123,7 @@ class ShmSegmentPool:
         unmapped when its push gives it back, so no writer ever copies into unmapped memory."""
         with self._lock:
             self._closed = True
-            _unlink(self._names)
+            _unlink(self._names, self._fds)
             for _, buf in self._free:
                 buf.close()
             self._free.clear()
@@ -136,11 +134,15 @@ class ShmSegmentPool:
             return sorted(self._names)
 
 
-def _unlink(names: set[str]) -> None:
+def _unlink(names: set[str], fds: list[int]) -> None:
     for name in names:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
+            os.unlink(shm_path(name, SEGMENT_PREFIX))
     names.clear()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 class ShmWriter:
@@ -190,7 +192,7 @@ class ShmReader:
 
     def get(self, header: pb.KVChunkHeader, inband: memoryview) -> memoryview:
         name = header.shm_name
-        if "/" in name or not name.startswith("tandem-kv-"):
+        if "/" in name or not name.startswith(SEGMENT_PREFIX):
             raise ValueError(f"bad shm segment name {name!r}")
         buf = self._maps.get(name)
         if buf is None:

@@ -19,11 +19,12 @@ from engine.model import LlamaModel
 from engine.paged_cache import PagedKVCache
 from kv_transfer.chunk_writer import HOLD_S, InPlaceHeaders
 from kv_transfer.errors import ChunkRejected, KVTransferError
-from kv_transfer.in_place import CACHE_PREFIX, HOLDER_PREFIX, SharedCache, held
+from kv_transfer.in_place import SharedCache
 from kv_transfer.in_place_writer import CACHES, InPlaceWriter, copy_blocks
-from kv_transfer.payload import SHM_DIR, InbandWriter, ShmWriter
+from kv_transfer.payload import InbandWriter, ShmWriter
 from kv_transfer.selection import Placement, here, select
 from kv_transfer.sender import KVTransferClient
+from kv_transfer.shm_files import CACHE_PREFIX, HOLDER_PREFIX, SHM_DIR, held
 from kv_transfer.wire import frame
 from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.kv_harness import Pair, make_pair, wait_for

@@ -5,6 +5,7 @@ receiver's write into the paged cache, and shared-memory segments' lifecycle (no
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,8 +16,9 @@ import torch
 from engine.model import LlamaModel
 from engine.paged_cache import PagedKVCache
 from kv_transfer.errors import ChunkRejected
-from kv_transfer.payload import SHM_DIR, ShmReader, ShmSegmentPool, ShmWriter
+from kv_transfer.payload import ShmReader, ShmSegmentPool, ShmWriter
 from kv_transfer.receiver import KVReceiver
+from kv_transfer.shm_files import SHM_DIR, sweep
 from kv_transfer.wire import checksum, chunk_spans, gather, split, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 from tests.unit.tiny import TINY, make_engine
@@ -197,3 +199,36 @@ def test_a_process_that_dies_of_an_exception_leaves_no_segment_behind() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout.startswith("tandem-kv-"), done.stderr
     assert segment_files([done.stdout.strip()]) == []
+
+
+def test_a_killed_senders_segments_are_swept_and_a_live_ones_are_not() -> None:
+    """SIGKILL runs no exit hook: its segments stayed in /dev/shm (memory) until a reboot."""
+    code = (
+        "import time\n"
+        "from kv_transfer.payload import ShmSegmentPool\n"
+        "pool = ShmSegmentPool(1 << 20)\n"
+        "name, buf = pool.acquire(1)\n"
+        "buf[:4] = b'kept'\n"
+        "print(name, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
+    pool = ShmSegmentPool(1 << 20)
+    try:
+        assert child.stdout is not None
+        theirs = child.stdout.readline().strip()
+        ours, _ = pool.acquire(1)
+        sweep()
+        assert segment_files([theirs, ours]) == [theirs, ours], "both makers live"
+        header = pb.KVChunkHeader(shm_name=theirs, shm_offset=0, payload_bytes=4)
+        assert bytes(ShmReader().get(header, memoryview(b""))) == b"kept"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        sweep()
+        assert segment_files([theirs, ours]) == [ours]
+    finally:
+        child.kill()
+        child.wait()
+        pool.close()
+    assert segment_files([ours]) == []

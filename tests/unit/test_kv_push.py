@@ -17,9 +17,10 @@ import torch
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import KVTransferError, TransferAborted, TransferTimeout
-from kv_transfer.payload import SHM_DIR, InbandWriter
+from kv_transfer.payload import InbandWriter
 from kv_transfer.push import KVPush
 from kv_transfer.sender import KVTransferClient
+from kv_transfer.shm_files import SHM_DIR
 from kv_transfer.status import as_transfer_error
 from tests.unit.kv_harness import Pair, StalledPeer, make_pair, wait_for
 
