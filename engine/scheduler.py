@@ -89,6 +89,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple[int, int], Request]] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # running total: what an operator reads as KV pressure
 
     @property
     def num_waiting(self) -> int:
@@ -178,6 +179,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.draft = ()
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (req.sort_key, req))

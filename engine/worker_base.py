@@ -204,6 +204,7 @@ class WorkerBase:
                 "free_blocks": e.kv.num_free_blocks,
                 "num_blocks": e.config.num_blocks,
                 "kv_usage": e.kv.usage,
+                "num_preemptions": e.scheduler.num_preemptions,
                 "device": device_label(e.cache.device),
                 **(e.speculator.stats() if e.speculator is not None else {}),
             }

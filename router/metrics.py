@@ -54,6 +54,8 @@ class Metrics:
             f"{P}kv_transfer_gbps", "KV transfer throughput per request (GB/s).", registry=r, buckets=_GBPS
         )
 
+        self.preemptions = Gauge(f"{P}num_preemptions", "Requests preempted for KV room, to be recomputed "
+                                 "(running total, from the worker's heartbeat).", ["worker"], registry=r)  # fmt: skip
         # speculative decoding, per worker (running totals read from its heartbeat; vLLM's names)
         spec = {
             "spec_decode_num_drafts": "Drafts verified.",
@@ -77,12 +79,14 @@ class Metrics:
 
     def set_workers(self, workers: Sequence[dict[str, Any]]) -> None:
         self.kv_usage.clear()
-        for g in (*self.spec.values(), self.spec_per_pos):
+        for g in (*self.spec.values(), self.spec_per_pos, self.preemptions):
             g.clear()
         for w in workers:
             wid = str(w.get("worker_id"))
             if "kv_usage" in w:
                 self.kv_usage.labels(wid, str(w.get("role"))).set(float(w["kv_usage"]))
+            if "num_preemptions" in w:
+                self.preemptions.labels(wid).set(float(w["num_preemptions"]))
             for k, g in self.spec.items():
                 if k in w:
                     g.labels(wid).set(float(w[k]))

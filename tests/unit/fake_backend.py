@@ -32,7 +32,7 @@ TEXT = " The quick brown fox jumps over the lazy dog, again and again, until the
 
 def worker(worker_id: str, role: str, **info: Any) -> dict[str, Any]:
     base = {"worker_id": worker_id, "role": role, "state": "up", "node": "n1", "free_blocks": 64, "num_blocks": 64}
-    return {**base, "running": 0, "waiting": 0, "kv_usage": 0.0, "draining": False, **info}
+    return {**base, "running": 0, "waiting": 0, "kv_usage": 0.0, "num_preemptions": 0, "draining": False, **info}
 
 
 @dataclass

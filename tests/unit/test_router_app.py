@@ -202,9 +202,9 @@ def test_metrics_move_with_traffic(backend: FakeBackend) -> None:
     assert sample(after, "tandem:kv_cache_usage_perc", {"worker": "d0"}) == 0.0
 
 
-def test_speculation_opt_out_reaches_the_backend_and_its_counters_are_exported(backend: FakeBackend) -> None:
+def test_speculation_opt_out_reaches_the_backend_and_worker_counters_are_exported(backend: FakeBackend) -> None:
     spec = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 9, "spec_decode_num_accepted_tokens": 6}
-    backend.workers[1].update(spec, spec_decode_num_accepted_tokens_per_pos=[3, 2, 1])
+    backend.workers[1].update(spec, spec_decode_num_accepted_tokens_per_pos=[3, 2, 1], num_preemptions=4)
     c = client(backend)
     c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, "speculate": False})
     c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2})
@@ -213,6 +213,7 @@ def test_speculation_opt_out_reaches_the_backend_and_its_counters_are_exported(b
     assert sample(text, "tandem:spec_decode_num_draft_tokens", {"worker": "d0"}) == 9
     assert sample(text, "tandem:spec_decode_num_accepted_tokens", {"worker": "d0"}) == 6
     assert sample(text, "tandem:spec_decode_num_accepted_tokens_per_pos", {"worker": "d0", "position": "1"}) == 2
+    assert sample(text, "tandem:num_preemptions", {"worker": "d0"}) == 4  # KV pressure, from the heartbeat
 
 
 def test_one_json_log_line_per_request(backend: FakeBackend, caplog: pytest.LogCaptureFixture) -> None:
