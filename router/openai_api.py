@@ -12,8 +12,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from cluster.outputs import StreamOutput
 from engine.spans import TraceContext
+from router import choices
 from router.auth import api_key_check
+from router.choices import Choices
 from router.dispatch import Dispatcher, Run, Trace
 from router.errors import APIError, as_api_error
 from router.requests import ChatCompletionRequest, CompletionRequest, PromptTokens
@@ -110,6 +113,8 @@ async def _serve(
         tokens = prompt() if inline else await asyncio.to_thread(prompt)
         trace.prompt_tokens = len(tokens.ids)
         params = body.sampling(tokens, model, d.settings.default_max_tokens, max_tokens, logprobs)
+        if body.n > 1:
+            return await _serve_choices(d, request, body, Choices(d, tokens.ids, params, trace, body.n), shape)
         start = d.start(tokens.ids, params, trace)
     except Exception as e:
         return _failed(d, trace, e)
@@ -124,6 +129,25 @@ async def _serve(
         d.finish(trace)
         return Response(status_code=CLIENT_GONE)
     return EventStream(_events(d, run, shape, trace, body.include_usage), lambda: _end(d, run, trace))
+
+
+async def _serve_choices(
+    d: Dispatcher, request: Request, body: ChatCompletionRequest | CompletionRequest, many: Choices, shape: Shape
+) -> Response:
+    """A request with n > 1 (router/choices.py)."""
+    if not body.stream:
+        return await choices.whole(many, shape, lambda work: _unless_disconnected(request.receive, work), CLIENT_GONE)
+    try:
+        started = await _unless_disconnected(request.receive, many.start())
+    except Exception as e:
+        many.close(e)
+        await many.wait_closed()
+        return as_api_error(e, d.settings.retry_after_s).response()
+    if not started:
+        many.close(gone_status=CLIENT_GONE)
+        await many.wait_closed()
+        return Response(status_code=CLIENT_GONE)
+    return EventStream(choices.events(many, shape, body.include_usage, output_chunks), many.close)
 
 
 def _failed(d: Dispatcher, trace: Trace, e: Exception) -> JSONResponse:
@@ -204,22 +228,15 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
     def tandem() -> dict[str, Any]:
         return {"request_id": trace.request_id, "timing": trace.timing()}
 
-    chat = shape.kind == "chat"
     offset = 0
     try:
-        if chat:
+        if shape.kind == "chat":
             yield sse(shape.chunk("", role=True, include_usage=include_usage))
         async for out in run.outputs():
-            text = out.text
-            lp = shape.logprobs(out.logprobs, offset)
-            offset += len(text)
-            finish = out.finish_reason if out.finished else None
-            if chat and (text or lp):
-                yield sse(shape.chunk(text, None, lp, include_usage=include_usage))
-            if finish or (not chat and (text or lp)):
-                body = shape.chunk(None if chat else text, finish, None if chat else lp, include_usage=include_usage)
-                if finish and not include_usage:
-                    body["tandem"] = tandem()  # the timing breakdown rides on the last chunk
+            bodies, offset = output_chunks(shape, out, offset, include_usage)
+            if out.finished and not include_usage:
+                bodies[-1]["tandem"] = tandem()  # the timing breakdown rides on the last chunk
+            for body in bodies:
                 yield sse(body)
         if include_usage:
             yield sse({**shape.usage_chunk(usage_of(trace)), "tandem": tandem()})
@@ -231,6 +248,24 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
         yield sse("[DONE]")
     finally:
         _end(d, run, trace)
+
+
+def output_chunks(
+    shape: Shape, out: StreamOutput, offset: int, include_usage: bool, index: int = 0
+) -> tuple[list[dict[str, Any]], int]:
+    """The stream chunks for one output of choice `index` (none, one, or two: a chat's text, then
+    its finish reason), and the choice's text offset after it."""
+    chat = shape.kind == "chat"
+    text = out.text
+    lp = shape.logprobs(out.logprobs, offset)
+    finish = out.finish_reason if out.finished else None
+    bodies = []
+    if chat and (text or lp):
+        bodies.append(shape.chunk(text, None, lp, include_usage=include_usage, index=index))
+    if finish or (not chat and (text or lp)):
+        bodies.append(shape.chunk(None if chat else text, finish, None if chat else lp,
+                                  include_usage=include_usage, index=index))  # fmt: skip
+    return bodies, offset + len(text)
 
 
 def usage_of(trace: Trace) -> dict[str, Any]:

@@ -23,6 +23,7 @@ _I64 = 2**63
 # is pending: their number and length bound that work and the streaming delay.
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+MAX_N = 16  # choices one request may ask for (router/choices.py): each runs as a request of its own
 
 
 class _Body(BaseModel):
@@ -69,8 +70,8 @@ class _Common(_Body):
 
     def check_supported(self) -> None:
         """Refuse, with a message, what this server does not do (rather than ignore it)."""
-        if self.n != 1:
-            raise APIError(400, f"n must be 1: this server returns one choice per request (got {self.n})", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be from 1 to {MAX_N} (got {self.n})", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported; leave it at 0", param=name)

@@ -63,24 +63,32 @@ class Shape:
 
         return {**one(int(e.token_id), e.logprob), "top_logprobs": [one(int(i), lp) for i, lp in e.top]}
 
-    def _choice(self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None, delta: bool) -> Any:
+    def _choice(
+        self, text: str | None, finish: str | None, logprobs: dict[str, Any] | None, delta: bool, index: int = 0
+    ) -> Any:
         if self.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if delta:
             body: dict[str, Any] = {} if text is None else {"content": text}
-            return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(
         self, text: str, finish: str | None, usage: dict[str, int], logprobs: dict[str, Any] | None
     ) -> dict[str, Any]:
+        return self.whole_choices([(text, finish, logprobs)], usage)
+
+    def whole_choices(
+        self, choices: Sequence[tuple[str, str | None, dict[str, Any] | None]], usage: dict[str, int]
+    ) -> dict[str, Any]:
+        """A whole response with a choice for each (text, finish reason, logprobs), in order."""
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "choices": [self._choice(text, finish, logprobs, delta=False)],
+            "choices": [self._choice(t, f, lp, delta=False, index=i) for i, (t, f, lp) in enumerate(choices)],
             "usage": usage,
         }
 
@@ -92,8 +100,9 @@ class Shape:
         *,
         role: bool = False,
         include_usage: bool = False,
+        index: int = 0,
     ) -> dict[str, Any]:
-        choice = self._choice(text, finish, logprobs, delta=True)
+        choice = self._choice(text, finish, logprobs, delta=True, index=index)
         if role:
             choice["delta"] = {"role": "assistant", **choice["delta"]}
         body = {

@@ -145,11 +145,13 @@ def test_openai_sdk_chat_and_completions(sdk: openai.OpenAI, model: str) -> None
     content = lp.choices[0].logprobs.content or []
     assert len(content) == lp.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
 
-    seeded = [
-        sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0.9, seed=1234)
-        for _ in range(2)
-    ]
-    assert seeded[0].choices[0].message.content == seeded[1].choices[0].message.content
+    # n choices (router/choices.py) are the answers of their seeds, seed + i: choice 0 the n = 1 answer
+    ask = {"model": model, "messages": QUESTION, "max_tokens": 16, "temperature": 0.9}
+    many = sdk.chat.completions.create(**ask, seed=1234, n=3)
+    alone = [sdk.chat.completions.create(**ask, seed=1234 + i) for i in range(3)]
+    assert [c.message.content for c in many.choices] == [a.choices[0].message.content for a in alone]
+    assert many.usage is not None and many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert len({c.message.content for c in many.choices}) > 1  # three seeds, not one answer thrice
 
 
 def test_bad_input_is_refused_and_the_router_stays_ready(url: str, model: str) -> None:
@@ -162,7 +164,7 @@ def test_bad_input_is_refused_and_the_router_stays_ready(url: str, model: str) -
         ({"model": model, "messages": QUESTION, "max_tokens": 10**8}, 400),
         ({"model": model, "messages": QUESTION, "temperature": "warm"}, 400),
         ({"model": model, "messages": QUESTION, "top_p": 2}, 400),
-        ({"model": model, "messages": QUESTION, "n": 2}, 400),
+        ({"model": model, "messages": QUESTION, "n": 17}, 400),
         ({"model": "no-such-model", "messages": QUESTION}, 404),
         ({"model": model, "messages": [{"role": "user", "content": "lorem ipsum " * 3000}]}, 413),
     ]

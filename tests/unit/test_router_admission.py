@@ -144,21 +144,23 @@ def _until(cond: Any, timeout: float) -> bool:
     return bool(cond())
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_closes_the_backend_stream(backend: FakeBackend, stream: bool) -> None:
+def test_client_disconnect_closes_the_backend_stream(backend: FakeBackend, stream: bool, n: int) -> None:
     backend.token_delay_s = 0.01
     app = create_app(backend, RouterSettings())
-    body = {"model": "fake-model", "messages": HELLO, "max_tokens": 400, "stream": stream}
+    body = {"model": "fake-model", "messages": HELLO, "max_tokens": 400, "stream": stream, "n": n}
     t0 = time.monotonic()
     if stream:
         sent = _asgi_request(app, CHAT, body, lambda s: sum(b'"content"' in m.get("body", b"") for m in s) >= 3)
     else:
         sent = _asgi_request(app, CHAT, body, lambda s: time.monotonic() - t0 > 0.3)
-    assert _until(lambda: backend.closed == backend.started and backend.started, 1.0)
+    assert _until(lambda: sorted(backend.closed) == sorted(backend.started) and len(backend.started) == n, 1.0)
     assert time.monotonic() - t0 < 2.0  # long before the 400 tokens (4 s) would have run
     assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
     ok = create_app(backend, RouterSettings())  # and the router still serves
     assert TestClient(ok).post(CHAT, json={**body, "max_tokens": 2}).status_code == 200
+    assert _until(lambda: app.state.dispatcher.admission.running == 0, 1.0)  # every choice gave its slot back
 
 
 def test_admission_priority_order_and_bounds() -> None:

@@ -113,7 +113,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"model": "fake-model", "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_p": 0}, 400, "top_p"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_p": 1.5}, 400, "top_p"),
-    (CHAT, {"model": "fake-model", "messages": HELLO, "n": 2}, 400, "n"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "n": 17}, 400, "n"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stream": "yes"}, 400, "stream"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "presence_penalty": 1.0}, 400, "presence_penalty"),
@@ -221,7 +221,7 @@ def test_one_json_log_line_per_request(backend: FakeBackend, caplog: pytest.LogC
     with caplog.at_level("INFO", logger="tandem.router.requests"):
         c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, "user": "u1"},
                headers={"x-request-id": "log-1"})  # fmt: skip
-        c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "n": 3}, headers={"x-request-id": "log-2"})
+        c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "n": 17}, headers={"x-request-id": "log-2"})
     lines = [json.loads(r.message) for r in caplog.records if r.name == "tandem.router.requests"]
     assert [(x["request_id"], x["status"]) for x in lines] == [("log-1", 200), ("log-2", 400)]
     assert lines[0]["user"] == "u1" and lines[0]["completion_tokens"] == 2 and lines[0]["timing"]["prefill_worker"]

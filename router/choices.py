@@ -1,0 +1,199 @@
+"""OpenAI's `n`: n choices of one prompt, each its own engine request, answered as one response.
+
+Choice 0 starts first; the others once its first token is out, so that its prompt is in the
+prefix cache they are routed by (a prompt of any length is prefilled about once). Each choice
+holds an admission slot and has its own Trace (request id `<id>-<i>` past the first), so the log
+and the metrics count n requests. With a `seed`, choice i samples from seed + i: choice 0 is
+the n = 1 answer, and each choice is the answer of an n = 1 request with its seed.
+`usage` counts the prompt once and every choice's tokens; `x-tandem-timing` is choice 0's.
+
+A choice that fails fails the response: whole, with its error; streamed, with an error event
+once streaming started. The client leaving, or any end, closes every choice's run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import Response
+from fastapi.responses import JSONResponse
+
+from cluster.outputs import StreamOutput
+from engine.sampler import TokenLogprob
+from engine.sampling_params import SamplingParams
+from router.dispatch import Dispatcher, Run, Trace
+from router.errors import as_api_error
+from router.responses import Shape, sse, usage
+
+_SEEDS = 2**64
+
+
+def seeded(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's sampling: seed + i (within the seeds a request may send), if seeded."""
+    if i == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + i + _SEEDS // 2) % _SEEDS - _SEEDS // 2)
+
+
+def choice_trace(trace: Trace, i: int) -> Trace:
+    """Choice i's Trace: choice 0's is the request's own."""
+    if i == 0:
+        return trace
+    t = Trace(f"{trace.request_id}-{i}", trace.endpoint, trace.stream, trace.priority, trace.user, client=trace.client)
+    t.prompt_tokens, t.t_arrival = trace.prompt_tokens, trace.t_arrival
+    return t
+
+
+@dataclass
+class Choice:
+    """One choice under way: its trace, its run once started, and what it has said."""
+
+    index: int
+    trace: Trace
+    params: SamplingParams
+    run: Run | None = None
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Choices:
+    """The n choices of one request, run side by side; `outputs()` merges their streams."""
+
+    def __init__(self, d: Dispatcher, prompt: Sequence[int], params: SamplingParams, trace: Trace, n: int) -> None:
+        self._d = d
+        self._prompt = prompt
+        self.retry_after_s = d.settings.retry_after_s
+        self.choices = [Choice(i, choice_trace(trace, i), seeded(params, i)) for i in range(n)]
+        # bounded: a client that reads slowly holds the pumps back, as it holds one run's back
+        self._queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue(16 * n)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start choice 0 (to its first token), then the rest, which stream as they come. Raises
+        what choice 0's start raised."""
+        first = self.choices[0]
+        first.run = await self._d.start(self._prompt, first.params, first.trace)
+        self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
+
+    async def _pump(self, c: Choice) -> None:
+        try:
+            if c.run is None:
+                c.run = await self._d.start(self._prompt, c.params, c.trace)
+            async for out in c.run.outputs():
+                await self._queue.put((c.index, out))
+            await self._queue.put((c.index, None))
+        except Exception as e:
+            await self._queue.put((c.index, e))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, StreamOutput]]:
+        """(choice, output) until every choice has finished. Raises what a choice raised."""
+        live = len(self.choices)
+        while live:
+            i, item = await self._queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    def usage(self) -> dict[str, Any]:
+        first = self.choices[0].trace
+        cached = first.placement.cached_tokens if first.placement is not None else 0
+        return usage(first.prompt_tokens, sum(c.trace.completion_tokens for c in self.choices), cached)
+
+    def close(self, error: Exception | None = None, gone_status: int = 499) -> None:
+        """End every choice (idempotent): its run closed, its trace finished, with `error`'s
+        status where given, as the client leaving where it had not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        err = as_api_error(error, self.retry_after_s) if error is not None else None
+        for c in self.choices:
+            if c.run is not None:
+                c.run.close()
+            if err is not None and c.trace.status == 200:
+                c.trace.status, c.trace.error = err.status, err.message
+            elif c.trace.status == 200 and c.trace.finish_reason is None:
+                c.trace.status = gone_status
+            self._d.finish(c.trace)
+
+    async def wait_closed(self) -> None:
+        """Wait for the pumps close() cancelled (each closes what it started)."""
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        for c in self.choices:  # a start that returned as it was cancelled
+            if c.run is not None:
+                c.run.close()
+
+
+async def whole(
+    choices: Choices, shape: Shape, until: Callable[[Awaitable[None]], Awaitable[bool]], gone: int
+) -> Response:
+    """Run every choice to its end (`until`: False if the client left first) and answer whole."""
+    finishes: dict[int, str | None] = {}
+
+    async def collect() -> None:
+        await choices.start()
+        async for i, out in choices.outputs():
+            c = choices.choices[i]
+            c.text += out.text
+            if out.logprobs:
+                c.logprobs = (c.logprobs or []) + list(out.logprobs)
+            if out.finished:
+                finishes[i] = out.finish_reason
+
+    try:
+        done = await until(collect())
+    except Exception as e:
+        choices.close(e)
+        await choices.wait_closed()
+        return as_api_error(e, choices.retry_after_s).response()
+    choices.close(gone_status=gone)
+    await choices.wait_closed()
+    if not done:
+        return Response(status_code=gone)
+    body = shape.whole_choices(
+        [(c.text, finishes.get(c.index), shape.logprobs(c.logprobs or [])) for c in choices.choices], choices.usage()
+    )
+    timing = json.dumps(choices.choices[0].trace.timing(), separators=(",", ":"))
+    return JSONResponse(body, headers={"x-tandem-timing": timing})
+
+
+async def events(
+    choices: Choices,
+    shape: Shape,
+    include_usage: bool,
+    chunks: Callable[[Shape, StreamOutput, int, bool, int], tuple[list[dict[str, Any]], int]],
+) -> AsyncIterator[bytes]:
+    """The SSE stream of started `choices`: each choice's role chunk, then their chunks as they
+    come, each with its index; the usage once all have finished."""
+    offsets = [0] * len(choices.choices)
+    try:
+        if shape.kind == "chat":
+            for c in choices.choices:
+                yield sse(shape.chunk("", role=True, include_usage=include_usage, index=c.index))
+        async for i, out in choices.outputs():
+            bodies, offsets[i] = chunks(shape, out, offsets[i], include_usage, i)
+            for body in bodies:
+                yield sse(body)
+        if include_usage:
+            yield sse(shape.usage_chunk(choices.usage()))
+        yield sse("[DONE]")
+        choices.close()
+    except Exception as e:
+        choices.close(e)
+        yield sse(as_api_error(e, choices.retry_after_s).body())
+        yield sse("[DONE]")
+    finally:
+        choices.close()
+        await choices.wait_closed()
