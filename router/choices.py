@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Response
@@ -58,7 +58,11 @@ class Choice:
     params: SamplingParams
     run: Run | None = None
     text: str = ""
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def tandem(self) -> dict[str, Any]:
+        """The `tandem` field of its last chunk: its request id and timing breakdown."""
+        return {"request_id": self.trace.request_id, "timing": self.trace.timing()}
 
 
 class Choices:
@@ -147,8 +151,7 @@ async def whole(
         async for i, out in choices.outputs():
             c = choices.choices[i]
             c.text += out.text
-            if out.logprobs:
-                c.logprobs = (c.logprobs or []) + list(out.logprobs)
+            c.logprobs.extend(out.logprobs)
             if out.finished:
                 finishes[i] = out.finish_reason
 
@@ -163,7 +166,7 @@ async def whole(
     if not done:
         return Response(status_code=gone)
     body = shape.whole_choices(
-        [(c.text, finishes.get(c.index), shape.logprobs(c.logprobs or [])) for c in choices.choices], choices.usage()
+        [(c.text, finishes.get(c.index), shape.logprobs(c.logprobs)) for c in choices.choices], choices.usage()
     )
     timing = json.dumps(choices.choices[0].trace.timing(), separators=(",", ":"))
     return JSONResponse(body, headers={"x-tandem-timing": timing})
@@ -184,10 +187,12 @@ async def events(
                 yield sse(shape.chunk("", role=True, include_usage=include_usage, index=c.index))
         async for i, out in choices.outputs():
             bodies, offsets[i] = chunks(shape, out, offsets[i], include_usage, i)
+            if out.finished and out.finish_reason and not include_usage:
+                bodies[-1]["tandem"] = choices.choices[i].tandem()  # as an n = 1 stream's last chunk
             for body in bodies:
                 yield sse(body)
         if include_usage:
-            yield sse(shape.usage_chunk(choices.usage()))
+            yield sse({**shape.usage_chunk(choices.usage()), "tandem": choices.choices[0].tandem()})
         yield sse("[DONE]")
         choices.close()
     except Exception as e:

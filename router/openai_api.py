@@ -234,7 +234,7 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
             yield sse(shape.chunk("", role=True, include_usage=include_usage))
         async for out in run.outputs():
             bodies, offset = output_chunks(shape, out, offset, include_usage)
-            if out.finished and not include_usage:
+            if out.finished and out.finish_reason and not include_usage:
                 bodies[-1]["tandem"] = tandem()  # the timing breakdown rides on the last chunk
             for body in bodies:
                 yield sse(body)

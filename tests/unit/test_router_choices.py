@@ -4,6 +4,7 @@ fake backend: their indices, seeds, usage, and every run closed and slot given b
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,14 @@ from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, events
 @pytest.fixture
 def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
     return FakeBackend(smollm_tokenizer)
+
+
+def all_closed(backend: FakeBackend, within_s: float = 2.0) -> bool:
+    """Whether every backend stream started has closed (a run's close ends its stream on its thread)."""
+    end = time.monotonic() + within_s
+    while sorted(backend.closed) != sorted(backend.started) and time.monotonic() < end:
+        time.sleep(0.005)
+    return sorted(backend.closed) == sorted(backend.started)
 
 
 def prompt_len(backend: FakeBackend) -> int:
@@ -35,7 +44,7 @@ def test_n_choices_whole_with_their_seeds_and_usage(backend: FakeBackend) -> Non
     seeds = [p.seed for p in backend.params]
     assert seeds[0] == 5 and sorted(seeds[1:3]) == [6, 7] and seeds[3] == 5  # choices 1 and 2 start together
     assert json.loads(r.headers["x-tandem-timing"])["attempts"] == 1
-    assert sorted(backend.closed) == sorted(backend.started) and len(backend.started) == 4
+    assert all_closed(backend) and len(backend.started) == 4
     assert c.app.state.dispatcher.admission.running == 0  # type: ignore[attr-defined]
     rid = backend.started[0].split(".")[0]  # engine ids: <request id>.<attempt>
     assert {e.split(".")[0] for e in backend.started[:3]} == {rid, f"{rid}-1", f"{rid}-2"}
@@ -64,9 +73,12 @@ def test_n_choices_streamed_each_with_its_index_role_and_finish(backend: FakeBac
         assert "".join(ch["delta"].get("content", "") for ch in mine) == whole["choices"][i]["message"]["content"]
         assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["tandem"]["timing"]["prefill_worker"] == "p0"
+    plain = events(c.post(CHAT, json={**req, "stream": True}).text)  # each choice's timing on its last chunk
+    assert sorted(ch["choices"][0]["index"] for ch in plain if "tandem" in ch) == [0, 1]
     completions = c.post("/v1/completions", json={"model": "fake-model", "prompt": "Once", "max_tokens": 3, "n": 2})
     assert [ch["index"] for ch in completions.json()["choices"]] == [0, 1]
-    assert sorted(backend.closed) == sorted(backend.started)
+    assert all_closed(backend)
 
 
 @pytest.mark.parametrize("n", [0, 17, -1])
@@ -84,5 +96,5 @@ def test_a_failing_choice_fails_the_response_and_frees_every_slot(backend: FakeB
         r = c.post(CHAT, json=body)
         assert r.status_code == 503 and "error" in r.json(), r.text
         assert "Traceback" not in r.text
-    assert sorted(backend.closed) == sorted(backend.started)
+    assert all_closed(backend)
     assert c.app.state.dispatcher.admission.running == 0  # type: ignore[attr-defined]
