@@ -58,9 +58,8 @@ class Placer:
 
     def cost(self, prompt_tokens: int, params: SamplingParams, route: Route) -> tuple[int, int]:
         """Blocks a request on `route` holds on its decode worker, tokens it queues for prefill."""
-        return planned_blocks(prompt_tokens, params.max_tokens, self._block_size), max(
-            prompt_tokens - route.cached_tokens, 1
-        )
+        blocks = planned_blocks(prompt_tokens, params.max_tokens, self._block_size)
+        return blocks, max(prompt_tokens - route.cached_tokens, 1)
 
     def _route(
         self,

@@ -37,8 +37,8 @@ class StreamOptions(_Body):
 
 class _Common(_Body):
     # max_tokens when a request leaves it out and the router sets no default: None = the rest of
-    # the context (OpenAI's and vLLM's chat; a 256-token cap here had cut a third of SmolLM2's
-    # answers short, each with finish_reason "length")
+    # the context (OpenAI's and vLLM's chat; a 256-token cap here cut 5 of 12 SmolLM2 answers at
+    # temperature 1.0 short, with finish_reason "length")
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
 
     model: str
