@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 EXAMPLE = """\
 Tandem is serving {model} at {url}
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 128}}'
 Press Ctrl-C to stop."""
 
 
