@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 WORKER_FIELDS = (
     "worker_id", "role", "state", "node", "device", "draining", "running", "waiting", "free_blocks", "num_blocks",
-    "kv_usage", "reservations",
+    "kv_usage", "num_preemptions", "reservations",
 )  # fmt: skip
 
 

@@ -57,7 +57,8 @@ function renderPools(pools) {
     tr.dataset.state = w.state;
     tr.append(cell(w.worker_id), cell(w.role), cell(w.node || ""), cell(w.device || ""), cell(w.state),
       cell(w.running ?? "", "num"), cell(w.waiting ?? "", "num"),
-      cell(w.kv_usage == null ? "" : (100 * w.kv_usage).toFixed(0) + "%", "num"));
+      cell(w.kv_usage == null ? "" : (100 * w.kv_usage).toFixed(0) + "%", "num"),
+      cell(w.num_preemptions ?? "", "num"));
     const td = document.createElement("td");
     const drain = document.createElement("button");
     drain.textContent = "Drain";

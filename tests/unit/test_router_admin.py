@@ -1,5 +1,5 @@
-"""The admin API against a fake Backend: refusing to scale away every pool that can serve, and
-answering a state store (Redis) outage with a clear 503."""
+"""The admin API against a fake Backend: refusing to scale away every pool that can serve,
+answering a state store (Redis) outage with a clear 503, and showing each worker's preemptions."""
 
 from __future__ import annotations
 
@@ -108,3 +108,10 @@ def test_other_cluster_failures_in_admin_calls_are_503_without_internals(backend
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     err = r.json()["error"]
     assert err["code"] == "cluster_error" and "ray" not in err["message"] and "Traceback" not in err["message"]
+
+
+def test_pools_show_each_workers_preemptions(backend: FakeBackend) -> None:
+    """KV pressure (a full cache sends requests back to be recomputed), as the console shows it."""
+    backend.workers[1]["num_preemptions"] = 3
+    workers = {w["worker_id"]: w for w in admin(backend).get("/admin/pools").json()["workers"]}
+    assert workers["d0"]["num_preemptions"] == 3 and workers["p0"]["num_preemptions"] == 0
