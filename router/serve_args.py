@@ -164,8 +164,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--queue-timeout",
         type=float,
-        default=30.0,
-        help="seconds a request may wait, for an admission slot and for a worker with room, before a 429",
+        default=600.0,
+        help="seconds a request may wait, for an admission slot and for a worker with room, before a 429 "
+        "(default: the OpenAI SDK's own timeout)",
     )
     ap.add_argument("--join", action="store_true", help="join the Ray cluster at RAY_ADDRESS (default: auto)")
     ap.add_argument(

@@ -31,9 +31,13 @@ class RouterSettings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     model_name: str = ""  # "" = the backend's name for its model
     max_running: int | None = Field(default=None, ge=1)
-    max_waiting: int = Field(default=64, ge=0)
-    max_waiting_total: int = Field(default=256, ge=0)
-    queue_timeout_s: float = Field(default=30.0, gt=0)
+    # A burst queues, as vLLM's and SGLang's do, rather than being refused: 64 waiting (256 in all)
+    # and 30 s had a load generator's 1,000 requests sent at once answered 872 times with a 429.
+    # The bounds keep memory bounded (a waiting request holds its body and prompt ids, ~0.3 MB
+    # for 8K tokens); the wait is what the OpenAI SDK itself waits for an answer by default.
+    max_waiting: int = Field(default=2048, ge=0)
+    max_waiting_total: int = Field(default=4096, ge=0)
+    queue_timeout_s: float = Field(default=600.0, gt=0)
     retry_after_s: int = Field(default=1, ge=1)
     max_attempts: int = Field(default=2, ge=1, le=5)
     # max_tokens where a request leaves it out; None: each API's own default, as OpenAI and vLLM
