@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from kv_transfer.shm_files import SEGMENT_PREFIX, SHM_DIR, create_locked, shm_path
+from kv_transfer.shm_files import SEGMENT_PREFIX, SHM_DIR, create_locked, shm_path, unlink
 from kv_transfer.wire import tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
 
@@ -136,8 +136,7 @@ class ShmSegmentPool:
 
 def _unlink(names: set[str], fds: list[int]) -> None:
     for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(shm_path(name, SEGMENT_PREFIX))
+        unlink(shm_path(name, SEGMENT_PREFIX))
     names.clear()
     for fd in fds:
         with contextlib.suppress(OSError):
