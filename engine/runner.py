@@ -15,6 +15,7 @@ from engine.graph_buckets import DecodeBatch
 from engine.kv_cache import KVCacheManager
 from engine.model import LayerCallback, LlamaModel
 from engine.paged_cache import PagedKVCache
+from engine.penalties import SeenTokens
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -28,7 +29,9 @@ class ModelRunner:
         self.graphs: GraphedDecode | None = None  # decode-only steps replayed on CUDA (Engine sets it)
         # the step's one host sync: logits -> token ids (a test on the meta device, where no
         # value can be read, puts its own here)
-        self.sampler: Callable[[torch.Tensor, Sequence[SamplingParams], Sequence[int]], SamplerOutput] = Sampler()
+        self.sampler: Callable[
+            [torch.Tensor, Sequence[SamplingParams], Sequence[int], Sequence[SeenTokens | None]], SamplerOutput
+        ] = Sampler()
         self.block_size = cache.block_size
 
     def execute(self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None) -> SamplerOutput:
@@ -39,7 +42,11 @@ class ModelRunner:
         params = [c.request.params for c in completing for _ in range(len(c.draft) + 1)]
         index = [c.request.num_output_tokens + c.request.params.output_offset + i
                  for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
-        return self.sampler(logits, params, index)
+        # and what it has seen: its tokens and the draft before it, which it needs accepted
+        seen = [SeenTokens([*c.request.token_ids, *c.draft[:i]], c.request.decode_from)
+                if c.request.params.penalized else None
+                for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
+        return self.sampler(logits, params, index, seen)
 
     def forward(
         self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import SeenTokens, apply_penalties
 from engine.sampling_params import SamplingParams
 
 _SEED_MIX = 1_000_003
@@ -65,6 +66,8 @@ class Sampler:
     top-p, and drawn with the exponential race argmax(probs / q), q ~ Exp(1). A row with a
     seed draws q from a generator seeded by `row_seed(seed, output_index)`, so its token
     depends only on its own logits, seed and output index; other rows use the global RNG.
+    A `penalized` row's logits first go through its bias and penalties (engine/penalties.py),
+    which read what its request has seen so far (`seen`, None for other rows).
     Logprobs come from log_softmax of the raw logits. At most two host syncs per call
     (token ids, then logprob values if any row asked) and one in the all-greedy fast path.
     """
@@ -73,7 +76,11 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_index: Sequence[int],
+        seen: Sequence[SeenTokens | None] = (),
     ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(output_index):
             raise ValueError(
@@ -83,10 +90,13 @@ class Sampler:
         batch = len(params)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled_rows and not lp_rows:
+        penalized = any(p.penalized for p in params)
+        if not sampled_rows and not lp_rows and not penalized:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
 
-        logits = logits.float()  # [B, V]
+        raw = logits = logits.float()  # [B, V]
+        if penalized:
+            logits = apply_penalties(logits, params, seen if seen else [None] * batch)
         token_ids = logits.argmax(dim=-1)  # [B]
         if sampled_rows:
             rows = _to_device(sampled_rows, torch.int64, logits.device)
@@ -99,7 +109,7 @@ class Sampler:
 
         n_top = max(params[i].logprobs or 0 for i in lp_rows)
         rows = _to_device(lp_rows, torch.int64, logits.device)
-        logp = torch.log_softmax(logits.index_select(0, rows), dim=-1)  # [L, V]
+        logp = torch.log_softmax(raw.index_select(0, rows), dim=-1)  # [L, V]
         chosen = token_ids.index_select(0, rows)  # [L]
         chosen_lp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [L]
         top_lp, top_ids = logp.topk(n_top, dim=-1)  # [L, n_top], sorted descending

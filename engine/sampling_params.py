@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is work in every step it samples)
+MAX_REPETITION_PENALTY = 10.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,6 +46,11 @@ class SamplingParams:
     speculate: bool = True  # False: no draft is verified for this request (engine/speculation.py)
     decoded: tuple[tuple[int, int], ...] = ()
     decoded_as_prompt: bool = False
+    # engine/penalties.py: logit_bias as (token id, bias) pairs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +72,19 @@ class SamplingParams:
             raise InvalidRequestError(f"output_offset must be an integer >= 0, got {self.output_offset!r}", "params")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in self.logit_bias))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, each biased by -100 to 100", "logit_bias"
+            )
         object.__setattr__(self, "decoded", tuple((int(a), int(b)) for a, b in self.decoded))
         ends = [x for span in self.decoded for x in span]
         if any(a >= b for a, b in self.decoded) or ends != sorted(ends) or (ends and ends[0] < 0):
@@ -73,8 +94,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits change before it samples (engine/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError if a stop token id is not in the vocabulary."""
+        """Raise InvalidRequestError if a stop token id or a biased token is not in the vocabulary."""
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise InvalidRequestError(f"unknown stop token id {t!r} (vocab size {vocab_size})", "stop_token_ids")
+        for t, _ in self.logit_bias:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"logit_bias: unknown token id {t!r} (vocab size {vocab_size})", "logit_bias")

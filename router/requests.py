@@ -8,10 +8,10 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
 from router.answer_marks import answer_spans
 from router.backend import ModelInfo
 from router.errors import REQUEST_ID, APIError
@@ -41,6 +41,13 @@ class _Common(_Body):
     # temperature 1.0 short, with finish_reason "length")
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, body: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's API and vLLM read it (clients send
+        `"temperature": null` for "not set"); a required one is then missing."""
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -52,9 +59,10 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # extension (vLLM's)
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
     ignore_eos: bool = False
     priority: int = 0  # extension: lower runs first (vLLM's convention); clamped to the router's range
     speculate: bool = True  # extension: false opts this request out of speculative decoding
@@ -72,11 +80,6 @@ class _Common(_Body):
         """Refuse, with a message, what this server does not do (rather than ignore it)."""
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be from 1 to {MAX_N} (got {self.n})", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOPS:
             raise APIError(400, f"at most {MAX_STOPS} stop sequences (got {len(stops)})", param="stop")
@@ -120,7 +123,28 @@ class _Common(_Body):
             speculate=self.speculate,
             decoded=prompt.decoded,
             decoded_as_prompt=prompt.decoded_as_prompt,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._bias(model.tokenizer.vocab_size),
         )
+
+    def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; APIError (400) for a key that is not a token id
+        of this model or a bias out of [-100, 100]."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            token = int(key) if key.strip().isdigit() else -1
+            if not 0 <= token < vocab:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0 to {vocab - 1})",
+                               param="logit_bias")  # fmt: skip
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias: the bias of {key} must be in [-100, 100], got {bias}",
+                               param="logit_bias")  # fmt: skip
+            pairs.append((token, bias))
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens (got {len(pairs)})", param="logit_bias")
+        return tuple(pairs)
 
 
 class TextPart(_Body):

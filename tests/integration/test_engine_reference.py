@@ -87,3 +87,38 @@ def test_batched_real_model_matches_alone(engine_fp32: Engine) -> None:
     for p, r in zip(prompts, together, strict=True):
         assert r.token_ids == engine_fp32.generate([p], params)[0].token_ids
     engine_fp32.check_integrity()
+
+
+def test_penalties_and_logit_bias_match_hf_and_openais_formula(engine_fp32: Engine, hf_model: Any) -> None:
+    """Greedy with a logit bias, repetition (HF's own processor: over prompt and answer) and
+    presence/frequency penalties (OpenAI's formula: over the answer) against HF's teacher-forced
+    logits put through the same, step by step."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    bias = ((tok.encode(" the")[0], -4.0), (tok.encode(".")[0], 1.5))
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.6, frequency_penalty=0.4, logit_bias=bias)  # fmt: skip
+    repetition = RepetitionPenaltyLogitsProcessor(penalty=1.3)
+    changed = 0
+    for text in [tok.apply_chat_template([{"role": "user", "content": t}]) for t in CHAT[:3]] + RAW[:2]:
+        prompt = tok.encode(text)
+        ours = engine_fp32.generate([prompt], params)[0].token_ids
+        plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0]
+        changed += ours != plain.token_ids
+        ref = hf_logits(hf_model, prompt + ours)
+        for j, token in enumerate(ours):
+            x = ref[len(prompt) + j - 1].clone()
+            for t, b in bias:
+                x[t] += b
+            x = repetition(torch.tensor([prompt + ours[:j]]), x.unsqueeze(0))[0]
+            counts = torch.bincount(torch.tensor(ours[:j], dtype=torch.int64), minlength=x.shape[0]).float()
+            x -= 0.4 * counts + 0.6 * (counts > 0).float()
+            top2 = x.topk(2)
+            if int(top2.indices[0]) != token:
+                gap = (top2.values[0] - top2.values[1]).item()
+                assert gap < 1e-4, f"{text[:30]!r}: step {j} ours {token}, reference {int(top2.indices[0])} (gap {gap})"
+                break  # a genuine near-tie: the two answers part here
+    assert changed >= 3, "the penalties changed most answers"
+    engine_fp32.check_integrity()

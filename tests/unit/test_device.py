@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model import LlamaModel
+from engine.penalties import SeenTokens
 from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from tests.unit.tiny import TINY, tiny_weights
@@ -42,8 +43,15 @@ class ShapesOnly:
     def __init__(self) -> None:
         self.rows: list[int] = []
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], index: Sequence[int]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        index: Sequence[int],
+        seen: Sequence[SeenTokens | None],
+    ) -> SamplerOutput:
         assert logits.device.type == "meta" and logits.shape == (len(params), TINY.vocab_size)
+        assert len(seen) == len(params)
         self.rows.append(len(params))
         return SamplerOutput([7] * len(params), [None] * len(params))
 

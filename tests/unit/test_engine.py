@@ -274,9 +274,12 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model: LlamaModel) ->
 @pytest.mark.parametrize("cut", [1, 4, 9])
 def test_replayed_equals_uninterrupted(tiny_model: LlamaModel, cut: int) -> None:
     """Failover by replay: prompt + the first `cut` tokens as a new prompt, with output_offset=cut,
-    continues exactly as the uninterrupted run, greedy and seeded."""
+    continues exactly as the uninterrupted run, greedy, seeded and penalized."""
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
-    for params in (GREEDY, seeded):
+    # penalties count the replayed tokens as the answer's, not the prompt's
+    penalized = replace(GREEDY, presence_penalty=1.0, frequency_penalty=0.5)
+    assert alone(tiny_model, [5, 6, 7, 8, 9], penalized) != alone(tiny_model, [5, 6, 7, 8, 9], GREEDY)
+    for params in (GREEDY, seeded, penalized):
         whole = alone(tiny_model, [5, 6, 7, 8, 9], params)
         rest = replace(params, max_tokens=params.max_tokens - cut, output_offset=cut)
         assert whole[:cut] + alone(tiny_model, [5, 6, 7, 8, 9, *whole[:cut]], rest) == whole

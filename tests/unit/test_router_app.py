@@ -116,7 +116,14 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"model": "fake-model", "messages": HELLO, "n": 17}, 400, "n"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stream": "yes"}, 400, "stream"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
-    (CHAT, {"model": "fake-model", "messages": HELLO, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"5": "up"}}, 400, "logit_bias.5"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": [""]}, 400, "stop"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": ["x"] * 17}, 400, "stop"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": "x" * 257}, 400, "stop"),
@@ -200,6 +207,24 @@ def test_metrics_move_with_traffic(backend: FakeBackend) -> None:
     assert sample(after, "tandem:request_success_total", {"finished_reason": "length"}) == 2
     assert sample(after, "tandem:request_rejected_total", {"status": "404"}) == 1
     assert sample(after, "tandem:kv_cache_usage_perc", {"worker": "d0"}) == 0.0
+
+
+def test_penalties_and_logit_bias_reach_the_backend_and_null_is_unset(backend: FakeBackend) -> None:
+    c = client(backend)
+    body = {"model": "fake-model", "messages": HELLO, "max_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "logit_bias": {"42": -100, "7": 2.5}}  # fmt: skip
+    assert c.post(CHAT, json=body).status_code == 200
+    assert c.post("/v1/completions", json={"model": "fake-model", "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    nulls = {"temperature": None, "top_p": None, "presence_penalty": None, "logit_bias": None, "n": None, "stop": None}
+    for extra in ({}, nulls):
+        assert (
+            c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, **extra}).status_code == 200
+        )
+    assert c.post(CHAT, json={"model": None, "messages": HELLO}).json()["error"]["param"] == "model"
+    got, plain, left_out, null = backend.params
+    assert null == left_out, "null is the default"
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert got.logit_bias == ((42, -100.0), (7, 2.5)) and got.penalized and not plain.penalized
 
 
 def test_speculation_opt_out_reaches_the_backend_and_worker_counters_are_exported(backend: FakeBackend) -> None:

@@ -65,11 +65,24 @@ SETTINGS = [
     SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=1.3, top_k=7, seed=5, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=0.6, top_p=0.8, seed=2, ignore_eos=True, logprobs=3),
+    # penalties read the answer so far: a drafted position's includes the draft before it
+    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.1),
+    SamplingParams(
+        max_tokens=40,
+        temperature=0.8,
+        seed=9,
+        ignore_eos=True,
+        presence_penalty=0.3,
+        logit_bias=((3, 2.0), (8, -5.0)),
+        logprobs=2,
+    ),
 ]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
-@pytest.mark.parametrize("params", SETTINGS, ids=["greedy", "t0.8", "t1.3-k7", "t0.6-p0.8-lp"])
+@pytest.mark.parametrize(
+    "params", SETTINGS, ids=["greedy", "t0.8", "t1.3-k7", "t0.6-p0.8-lp", "greedy-penalized", "t0.8-penalized-lp"]
+)
 def test_speculation_gives_the_tokens_of_no_speculation(
     tiny_model: LlamaModel, params: SamplingParams, drafter: str
 ) -> None:
@@ -125,11 +138,17 @@ def test_max_tokens_stop_tokens_and_preemption_behave_as_without_speculation(tin
     assert spec.kv.num_free_blocks == 40
 
 
-def test_the_decode_side_of_pd_speculates_to_the_same_tokens(tiny_model: LlamaModel) -> None:
+@pytest.mark.parametrize(
+    "penalties", [{}, {"presence_penalty": 0.5, "frequency_penalty": 0.6, "repetition_penalty": 1.2}]
+)
+def test_the_decode_side_of_pd_speculates_to_the_same_tokens(
+    tiny_model: LlamaModel, penalties: dict[str, float]
+) -> None:
+    # with penalties, the decode side counts the first token, which the prefill side sampled
     pair = make_pair(tiny_model, decode_kw={"speculative": "ngram"})
     try:
         client = pair.client()
-        params = SamplingParams(max_tokens=30, temperature=0.9, seed=4, ignore_eos=True)
+        params = SamplingParams(max_tokens=30, temperature=0.9, seed=4, ignore_eos=True, **penalties)  # type: ignore[arg-type]
         prompts = [looping(i, 10 + 3 * i) for i in range(4)]
         for i, prompt in enumerate(prompts):
             first, _, _ = pair.transfer(client, f"p{i}", prompt, params)
