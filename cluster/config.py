@@ -49,6 +49,9 @@ def otel_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith("OTEL_") and k != "OTEL_SERVICE_NAME"}
 
 
+WORKER_NICENESS = "RAY_worker_niceness"  # read by the raylet when it starts
+
+
 def ray_env() -> None:
     """What Ray needs set on this machine before it starts (or joins)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -57,6 +60,10 @@ def ray_env() -> None:
     # process of its own (the workers' runtime env differs), so it sat idle at ~1% of a core,
     # on the cores the engine uses. Startup is no slower (measured: ready in 11.3 s vs 12.0 s).
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    # Ray starts its workers at nice 15, so that its own daemons stay responsive under them; but
+    # here the workers are the engines. At nice 15 any busy nice-0 process on the host (another
+    # tenant, a backup, the router itself) takes ~97% of a contended core from them.
+    os.environ.setdefault(WORKER_NICENESS, "0")
 
 
 def start_ray(init: Callable[..., Any], shutdown: Callable[[], None], **kwargs: Any) -> None:

@@ -11,7 +11,8 @@ carries included (`Request.decode_from`), so a request replayed on another worke
 prefill and a decode worker, penalizes what it would have uninterrupted. A drafted position's answer
 includes the draft tokens before it: it is sampled only where they were accepted (engine/speculation.py).
 Greedy rows take the argmax of the result; logprobs stay those of the model's own logits (vLLM's
-default).
+default). Only a step with a penalized row pays for any of this (on CUDA, a host sync or two more:
+`torch.unique`'s size is the data's).
 """
 
 from __future__ import annotations

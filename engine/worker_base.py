@@ -83,6 +83,10 @@ class WorkerBase:
         self._last_call_end = float("-inf")
         self.load_s = time.monotonic() - t
         log.info("worker %s (%s) on %s", worker_id, self.role, device_label(self.engine.cache.device))
+        if (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
+            log.warning("worker %s runs at nice %d (Ray's default for its workers: start Ray with "
+                        "RAY_worker_niceness=0): a busy process at nice 0 on this host takes its cores first",
+                        worker_id, nice)  # fmt: skip
 
     def ping(self) -> str:
         return self.worker_id

@@ -7,6 +7,7 @@ sizes through Redis and wait for the pool manager to reconcile.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -238,6 +239,9 @@ def test_a_decode_worker_steps_on_the_idle_prefill_workers_core(cluster: Cluster
     workers = [w for w in cluster.workers() if w["state"] == "up" and "pid" in w]
     slots = ledger_slots(ledger_path(cluster.config.namespace))
     assert {w["pid"] for w in workers} <= {pid for pid, _, _ in slots}
+    # at this process's niceness, not Ray's 15 for its workers (cluster.config.ray_env), which
+    # leaves them nothing of a core that any nice-0 process wants
+    assert {os.getpriority(os.PRIO_PROCESS, w["pid"]) for w in workers} == {os.getpriority(os.PRIO_PROCESS, 0)}
     until(lambda: not any(busy for _, _, busy in ledger_slots(ledger_path(cluster.config.namespace))), 10, "idle")
     cluster.check_integrity()
 
