@@ -95,6 +95,7 @@ def test_models_health_ready(backend: FakeBackend) -> None:
     assert c.get("/ready").status_code == 503
 
 
+TOO_MANY_BIASES = {str(t): 1 for t in range(1025)}  # engine.sampling_params.MAX_LOGIT_BIAS + 1
 BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, b'{"model": "fake-model", "messages": [', 400, None),
     (CHAT, b"", 400, None),
@@ -123,6 +124,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"-1": 1}}, 400, "logit_bias"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": TOO_MANY_BIASES}, 400, "logit_bias"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"5": "up"}}, 400, "logit_bias.5"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": [""]}, 400, "stop"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": ["x"] * 17}, 400, "stop"),
