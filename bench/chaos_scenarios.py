@@ -39,8 +39,7 @@ def decode_kill(c: Chaos, n: int = 32) -> ScenarioResult:
     def fault(streams: list[Stream]) -> None:
         nonlocal t_fault
         until(lambda: decoding(streams) >= n // 4, 120, "streams under way")
-        victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
-        t_fault = _kill(c, victim)
+        t_fault = _kill(c, busiest_decoder(c))
 
     run = run_streams(client, prompts, fault)
     facts = {**same_answers(base, run, client.max_tokens), "burst_split": sorted(split.values())}
@@ -60,6 +59,14 @@ def decoding(streams: list[Stream]) -> int:
     each; a migration with speculation on is tested in test_cluster), and the fault waits for a
     quarter of them to be mid-decode: waiting for half, 1 run in ~10 never saw that many at once."""
     return sum(len(s.token_times) >= 4 and not s.done for s in streams)
+
+
+def busiest_decoder(c: Chaos) -> str:
+    """The decode worker whose engine runs the most streams now. Not the router's in-flight
+    count: that also holds streams still in prefill for it, and a CI run froze a worker whose 8
+    streams had not reached it yet while the quarter under way ran on the other (none moved)."""
+    stats = c.stats()
+    return max(c.workers("decode"), key=lambda d: int(stats.get(d, {}).get("running", 0)))
 
 
 def only_decode_kill(c: Chaos, n: int = 8) -> ScenarioResult:
@@ -194,7 +201,7 @@ def decode_stop(c: Chaos, n: int = 16, stop_s: float = 15.0) -> ScenarioResult:
     def fault(streams: list[Stream]) -> None:
         nonlocal victim, t_fault
         until(lambda: decoding(streams) >= n // 4, 120, "streams under way")
-        victim = max(c.workers("decode"), key=lambda d: c.cluster.ledger.load(d).streams)
+        victim = busiest_decoder(c)
         t_fault = _freeze(c, victim, stop_s)
 
     run = run_streams(client, prompts, fault)
