@@ -88,10 +88,7 @@ class RequestRun:
         emitted: list[int] = []
         attempt_id = self.request_id
         while True:
-            sub = params
-            if emitted:
-                sub = replace(params, max_tokens=params.max_tokens - len(emitted),
-                              output_offset=params.output_offset + len(emitted))  # fmt: skip
+            sub = _after(params, len(emitted))
             attempt = start(attempt_id, prompt + emitted, sub, route, self._cancel)
             earlier = len(emitted)
             try:
@@ -107,8 +104,7 @@ class RequestRun:
                 if self.migrations >= max_migrations:
                     why = f"the request failed after {self.migrations} migration(s): {e}"
                     raise WorkerDiedError(why, e.suspect) from None
-                rest = replace(params, max_tokens=params.max_tokens - len(emitted))
-                route = self._reroute(reroute, prompt + emitted, rest, route, e)
+                route = self._reroute(reroute, prompt + emitted, _after(params, len(emitted)), route, e)
                 self.migrations += 1
                 attempt_id = f"{self.request_id}.m{self.migrations}"
                 log.warning("request %s: %s after %d tokens; replaying on %s", self.request_id, e, len(emitted), route)
@@ -122,3 +118,10 @@ class RequestRun:
             return reroute(prompt, params, exclude)
         except EngineError as no_route:
             raise WorkerDiedError(f"{e}; no other worker to continue on ({no_route})") from None
+
+
+def _after(params: SamplingParams, emitted: int) -> SamplingParams:
+    """`params` for a replay whose prompt carries the `emitted` tokens already sent."""
+    if not emitted:
+        return params
+    return replace(params, max_tokens=params.max_tokens - emitted, output_offset=params.output_offset + emitted)

@@ -48,13 +48,15 @@ class IncrementalDetokenizer:
             self._chunks = ["".join(self._chunks)]
         return (self._chunks[0] if self._chunks else "") + self._held
 
-    def step(self, new_token_ids: Sequence[int]) -> str:
-        """Add generated ids; return the text that is now safe to send (possibly empty)."""
+    def step(self, new_token_ids: Sequence[int], stops: bool = True) -> str:
+        """Add generated ids; return the text that is now safe to send (possibly empty). With
+        `stops` False (an answer short of its `min_tokens`), no stop string ends it: the text is
+        sent whole, and a stop string counts only where it ends in text decoded after."""
         if self.stop_hit is not None:
             return ""
         self._ids.extend(new_token_ids)
         delta = self._decode_unread(final=False)
-        return self._emit(delta, final=False) if delta else ""
+        return self._emit(delta, final=not stops, stops=stops) if delta else ""
 
     def flush(self) -> str:
         """End of generation: return everything still held back ('' once a stop string was hit)."""
@@ -77,10 +79,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _emit(self, delta: str, final: bool) -> str:
+    def _emit(self, delta: str, final: bool, stops: bool = True) -> str:
         # A stop string cannot start in text already sent: that text never ended in a stop-string prefix.
         pending = self._held + delta
-        hit = self._find_stop(pending)
+        hit = self._find_stop(pending) if stops else None
         if hit is not None:
             pending, self.stop_hit = pending[: hit[0]], hit[1]
             keep = 0

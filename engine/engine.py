@@ -82,6 +82,7 @@ class Engine:
         self.layer_hook: Callable[[SchedulerOutput], LayerCallback | None] | None = None
         eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
         self._eos_ids: frozenset[int] = frozenset(eos)
+        self.runner.eos_ids = self._eos_ids
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -272,7 +273,7 @@ class Engine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos_ids):
             reason = "stop"
         elif detok is not None:
-            text = detok.step([token])
+            text = detok.step([token], stops=req.num_output_tokens + p.output_offset >= p.min_tokens)
             if detok.stop_hit is not None:
                 reason = "stop"
         if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):

@@ -5,6 +5,7 @@ and vLLM's `repetition_penalty`), in this order:
     repetition_penalty  for t anywhere in the prompt or the answer so far: x[t] / r if x[t] > 0, else x[t] * r
     frequency_penalty   x[t] -= f * (times t is in the answer so far)
     presence_penalty    x[t] -= p if t is in the answer so far
+    min_tokens          x[t] = -inf for the stop and end-of-sequence tokens while the answer is shorter
 
 The answer so far is every token decoded after the prompt, those of earlier runs that a replay
 carries included (`Request.decode_from`), so a request replayed on another worker, or split over a
@@ -27,11 +28,12 @@ from engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SeenTokens:
-    """A row's request as its penalties see it: the prompt then the answer so far, and where the
-    answer starts in `token_ids`."""
+    """A row's request as its penalties see it: the prompt then the answer so far, where the
+    answer starts in `token_ids`, and the tokens it may not sample yet (`min_tokens`)."""
 
     token_ids: Sequence[int]
     answer_from: int
+    banned: tuple[int, ...] = ()
 
 
 def apply_penalties(
@@ -69,6 +71,11 @@ def apply_penalties(
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[at[0]]
         pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[at[0]]
         x[at] -= freq * counts.to(x.dtype) + pres
+    banned = [(i, t) for i, s in enumerate(seen) if s is not None for t in s.banned]
+    if banned:
+        x[
+            torch.tensor([i for i, _ in banned], device=dev), torch.tensor([t for _, t in banned], device=dev)
+        ] = -torch.inf
     return x
 
 

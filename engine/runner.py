@@ -16,6 +16,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model import LayerCallback, LlamaModel
 from engine.paged_cache import PagedKVCache
 from engine.penalties import SeenTokens
+from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -33,20 +34,28 @@ class ModelRunner:
             [torch.Tensor, Sequence[SamplingParams], Sequence[int], Sequence[SeenTokens | None]], SamplerOutput
         ] = Sampler()
         self.block_size = cache.block_size
+        self.eos_ids: frozenset[int] = frozenset()  # what `min_tokens` holds back, with the request's stop tokens
 
     def execute(self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None) -> SamplerOutput:
         """Run one step; returns one sample per completing chunk, in `out.chunks` order (a chunk
         with a draft of k tokens: k + 1 samples, one a position)."""
         logits, completing = self.forward(out, on_layer_done)
+        rows = [(c, i) for c in completing for i in range(len(c.draft) + 1)]  # position i of c's draft
+        params = [c.request.params for c, _ in rows]
         # a drafted position i samples with output index n + i: the draw it would get unspeculated
-        params = [c.request.params for c in completing for _ in range(len(c.draft) + 1)]
-        index = [c.request.num_output_tokens + c.request.params.output_offset + i
-                 for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
+        index = [c.request.num_output_tokens + c.request.params.output_offset + i for c, i in rows]
         # and what it has seen: its tokens and the draft before it, which it needs accepted
-        seen = [SeenTokens([*c.request.token_ids, *c.draft[:i]], c.request.decode_from)
-                if c.request.params.penalized else None
-                for c in completing for i in range(len(c.draft) + 1)]  # fmt: skip
+        seen = [self._seen(c.request, c.draft[:i], at) if c.request.params.penalized else None
+                for (c, i), at in zip(rows, index, strict=True)]  # fmt: skip
         return self.sampler(logits, params, index, seen)
+
+    def _seen(self, req: Request, draft: Sequence[int], answer_len: int) -> SeenTokens:
+        """What a row of `req` that samples answer token `answer_len` (after `draft`) has seen."""
+        p = req.params
+        banned: tuple[int, ...] = ()
+        if answer_len < p.min_tokens:
+            banned = tuple(sorted({*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)}))
+        return SeenTokens([*req.token_ids, *draft], req.decode_from, banned)
 
     def forward(
         self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None

@@ -51,6 +51,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: no stop token, end-of-sequence token or stop string ends the answer before its
+    # min_tokens-th token (counting the outputs of earlier runs, as output_offset does)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +75,11 @@ class SamplingParams:
             raise InvalidRequestError(f"output_offset must be an integer >= 0, got {self.output_offset!r}", "params")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens + self.output_offset:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
+                "min_tokens",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
@@ -97,7 +105,10 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether its logits change before it samples (engine/penalties.py)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+            or self.min_tokens
+        )  # fmt: skip
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequestError if a stop token id or a biased token is not in the vocabulary."""

@@ -63,6 +63,7 @@ class _Common(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # extension (vLLM's)
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)  # extension (vLLM's): nothing stops the answer before it
     ignore_eos: bool = False
     priority: int = 0  # extension: lower runs first (vLLM's convention); clamped to the router's range
     speculate: bool = True  # extension: false opts this request out of speculative decoding
@@ -127,6 +128,7 @@ class _Common(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self._bias(model.tokenizer.vocab_size),
+            min_tokens=self.min_tokens,
         )
 
     def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -171,3 +171,14 @@ def test_skip_special_tokens(tok: Tokenizer, skip: bool) -> None:
     pieces, detok = stream(tok, ids, skip_special_tokens=skip)
     expected = "assistant\nHi there" if skip else "<|im_start|>assistant\nHi there<|im_end|>"
     assert "".join(pieces) == detok.text == tok.decode(ids, skip_special_tokens=skip) == expected
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop(tok: Tokenizer) -> None:
+    """An answer short of its `min_tokens` (stops=False) sends its text whole; a stop string
+    counts in the text decoded from then on."""
+    ids = tok.encode(" stop here, then stop again.")
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"), stop=["stop"])
+    early = [detok.step(ids[i : i + 1], stops=False) for i in range(3)]  # " stop here,"
+    assert "".join(early) == tok.decode(ids[:3]) and detok.stop_hit is None
+    late = [detok.step(ids[i : i + 1]) for i in range(3, len(ids))]
+    assert detok.stop_hit == "stop" and "".join(early + late) == tok.decode(ids).split(" stop again")[0] + " "

@@ -285,6 +285,24 @@ def test_replayed_equals_uninterrupted(tiny_model: LlamaModel, cut: int) -> None
         assert whole[:cut] + alone(tiny_model, [5, 6, 7, 8, 9, *whole[:cut]], rest) == whole
 
 
+def test_min_tokens_holds_stop_tokens_back_and_a_replay_counts_its_earlier_outputs(tiny_model: LlamaModel) -> None:
+    prompt = [5, 6, 7, 8, 9]
+    free = alone(tiny_model, prompt)
+    first = replace(GREEDY, ignore_eos=False, stop_token_ids=(free[1],))
+    assert alone(tiny_model, prompt, first) == free[:2], "the stop token ends it at its second token"
+    held = alone(tiny_model, prompt, replace(first, min_tokens=6))
+    assert held[0] == free[0] and len(held) >= 6 and free[1] not in held[:6]
+    # With a second stop token, one that some bound k meets right there (its answer k + 1 tokens
+    # long), a replay that did not count the outputs its prompt carries would hold it back further.
+    stops = (free[1], alone(tiny_model, prompt, replace(first, min_tokens=2))[2])
+    answers = {k: alone(tiny_model, prompt, replace(first, stop_token_ids=stops, min_tokens=k)) for k in range(2, 9)}
+    k = max(k for k, answer in answers.items() if len(answer) == k + 1 and answer[-1] in stops)
+    params = replace(first, stop_token_ids=stops, min_tokens=k)
+    for cut in range(1, k):
+        rest = replace(params, max_tokens=params.max_tokens - cut, output_offset=cut)
+        assert answers[k][:cut] + alone(tiny_model, [*prompt, *answers[k][:cut]], rest) == answers[k], cut
+
+
 def test_stop_token_and_max_tokens(tiny_model: LlamaModel) -> None:
     base = alone(tiny_model, [3, 1, 4, 1, 5])
     stop_at = base[4]

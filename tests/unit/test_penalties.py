@@ -96,6 +96,8 @@ def test_the_sampler_applies_them_to_penalized_rows_only_and_keeps_the_models_lo
         ("logit_bias", ((3, 101.0),)),
         ("logit_bias", ((3, float("nan")),)),
         ("logit_bias", tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1))),
+        ("min_tokens", 17),  # over max_tokens (16)
+        ("min_tokens", -1),
     ],
 )
 def test_values_out_of_range_are_refused(field: str, value: object) -> None:
@@ -109,3 +111,12 @@ def test_a_bias_on_a_token_outside_the_vocabulary_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="unknown token id 40"):
         SamplingParams(logit_bias=((V, 5.0),)).validate_for_vocab(V)
     assert not SamplingParams().penalized and SamplingParams(repetition_penalty=1.1).penalized
+
+
+def test_min_tokens_bans_stop_tokens_and_counts_the_answer_of_earlier_runs() -> None:
+    x = torch.zeros(2, V)
+    seen = [SeenTokens([1, 2, 3], 2, banned=(5, 9)), None]
+    out = apply_penalties(x, [SamplingParams(min_tokens=4), SamplingParams()], seen)
+    assert out[0, 5] == out[0, 9] == float("-inf") and out[0].isfinite().sum() == V - 2 and torch.equal(out[1], x[1])
+    # a replay carrying 10 outputs of an answer that asked for at least 20, of 24: 14 to go
+    assert SamplingParams(max_tokens=14, output_offset=10, min_tokens=20).penalized

@@ -125,6 +125,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": TOO_MANY_BIASES}, 400, "logit_bias"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "min_tokens": -1}, 400, "min_tokens"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "logit_bias": {"5": "up"}}, 400, "logit_bias.5"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": [""]}, 400, "stop"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stop": ["x"] * 17}, 400, "stop"),
@@ -214,7 +216,7 @@ def test_metrics_move_with_traffic(backend: FakeBackend) -> None:
 def test_penalties_and_logit_bias_reach_the_backend_and_null_is_unset(backend: FakeBackend) -> None:
     c = client(backend)
     body = {"model": "fake-model", "messages": HELLO, "max_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -1,
-            "repetition_penalty": 1.2, "logit_bias": {"42": -100, "7": 2.5}}  # fmt: skip
+            "repetition_penalty": 1.2, "logit_bias": {"42": -100, "7": 2.5}, "min_tokens": 2}  # fmt: skip
     assert c.post(CHAT, json=body).status_code == 200
     assert c.post("/v1/completions", json={"model": "fake-model", "prompt": "Hi", "max_tokens": 2}).status_code == 200
     nulls = {"temperature": None, "top_p": None, "presence_penalty": None, "logit_bias": None, "n": None, "stop": None}
@@ -226,7 +228,8 @@ def test_penalties_and_logit_bias_reach_the_backend_and_null_is_unset(backend: F
     got, plain, left_out, null = backend.params
     assert null == left_out, "null is the default"
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)
-    assert got.logit_bias == ((42, -100.0), (7, 2.5)) and got.penalized and not plain.penalized
+    assert got.logit_bias == ((42, -100.0), (7, 2.5)) and got.min_tokens == 2
+    assert got.penalized and not plain.penalized
 
 
 def test_speculation_opt_out_reaches_the_backend_and_worker_counters_are_exported(backend: FakeBackend) -> None:

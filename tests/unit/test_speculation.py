@@ -294,3 +294,19 @@ def test_accepted_counts_the_confirmed_prefix() -> None:
     assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
     assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
     assert accepted([5], [4, 1]) == 0
+
+
+def test_min_tokens_holds_back_the_same_stop_tokens_with_and_without_speculation(tiny_model: LlamaModel) -> None:
+    prompts = [looping(i, 12 + 3 * i) for i in range(6)]
+    base = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    free = run(make_engine(tiny_model, num_blocks=256), prompts, [base] * 6)
+    stops = [tokens(free[f"r{i}"])[2] for i in range(6)]  # each answer's third token ends it early
+    params = [replace(base, stop_token_ids=[stops[i]], min_tokens=10, temperature=0.8 * (i % 2), seed=i)
+              for i in range(6)]  # fmt: skip
+    off = run(make_engine(tiny_model, num_blocks=256), prompts, params)
+    spec = make_engine(tiny_model, num_blocks=256, speculative="ngram")
+    on = run(spec, prompts, params)
+    for i, rid in enumerate(off):
+        assert tokens(on[rid]) == tokens(off[rid]), rid
+        assert len(tokens(off[rid])) >= 10 and stops[i] not in tokens(off[rid])[:10], rid
+    assert spec.speculator is not None and spec.speculator.accepted > 0
