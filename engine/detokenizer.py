@@ -51,7 +51,7 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: Sequence[int], stops: bool = True) -> str:
         """Add generated ids; return the text that is now safe to send (possibly empty). With
         `stops` False (an answer short of its `min_tokens`), no stop string ends it: the text is
-        sent whole, and a stop string counts only where it ends in text decoded after."""
+        sent whole, and a later stop string counts only if it lies wholly in text decoded after."""
         if self.stop_hit is not None:
             return ""
         self._ids.extend(new_token_ids)
