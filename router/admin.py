@@ -13,12 +13,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends
+from pydantic import Field
 
 from engine.roles import FLIPPABLE, ROLES
 from router.auth import admin_check
 from router.backend import Backend
 from router.errors import APIError, admin_error
-from router.requests import FlipBody, RebalanceBody, ScaleBody
+from router.requests import StrictBody
 from router.settings import RouterSettings
 
 T = TypeVar("T")
@@ -27,6 +28,22 @@ WORKER_FIELDS = (
     "worker_id", "role", "state", "node", "device", "draining", "running", "waiting", "free_blocks", "num_blocks",
     "kv_usage", "num_preemptions", "reservations",
 )  # fmt: skip
+
+
+class ScaleBody(StrictBody):
+    replicas: int = Field(ge=0)
+    force: bool = False  # even if it leaves no pool that can serve
+
+
+class FlipBody(StrictBody):
+    role: str
+    force: bool = False  # even if it leaves no pool that can serve
+
+
+class RebalanceBody(StrictBody):
+    prefill: int = Field(ge=0)
+    decode: int = Field(ge=0)
+    force: bool = False
 
 
 def pools(status: dict[str, Any]) -> dict[str, Any]:

@@ -26,16 +26,18 @@ MAX_STOP_CHARS = 256
 MAX_N = 16  # choices one request may ask for (router/choices.py): each runs as a request of its own
 
 
-class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do; known ones are type-checked strictly.
+class StrictBody(BaseModel):
+    """A request body (OpenAI's here, the admin API's in router/admin.py). Unknown fields are
+    ignored, as OpenAI-compatible servers do; known ones are type-checked strictly."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Common(_Body):
+class _Common(StrictBody):
     # max_tokens when a request leaves it out and the router sets no default: None = the rest of
     # the context (OpenAI's and vLLM's chat; a 256-token cap here cut 5 of 12 SmolLM2 answers at
     # temperature 1.0 short, with finish_reason "length")
@@ -144,12 +146,12 @@ class _Common(_Body):
         return tuple(pairs)
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class Message(_Body):
+class Message(StrictBody):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -288,19 +290,3 @@ def _encode(model: ModelInfo, text: str, param: str, answers: Sequence[tuple[int
     except Exception as e:
         log.warning("request %s: the tokenizer failed", REQUEST_ID.get(), exc_info=e)
         raise InvalidRequestError(f"the tokenizer could not encode {param}", param) from e
-
-
-class ScaleBody(_Body):
-    replicas: int = Field(ge=0)
-    force: bool = False  # even if it leaves no pool that can serve
-
-
-class FlipBody(_Body):
-    role: str
-    force: bool = False  # even if it leaves no pool that can serve
-
-
-class RebalanceBody(_Body):
-    prefill: int = Field(ge=0)
-    decode: int = Field(ge=0)
-    force: bool = False
