@@ -121,7 +121,9 @@ class RequestRun:
 
 
 def _after(params: SamplingParams, emitted: int) -> SamplingParams:
-    """`params` for a replay whose prompt carries the `emitted` tokens already sent."""
+    """`params` for a replay whose prompt carries the `emitted` tokens already sent (and the
+    prompt's logprobs, which came with the first)."""
     if not emitted:
         return params
-    return replace(params, max_tokens=params.max_tokens - emitted, output_offset=params.output_offset + emitted)
+    return replace(params, max_tokens=params.max_tokens - emitted, output_offset=params.output_offset + emitted,
+                   prompt_logprobs=None)  # fmt: skip

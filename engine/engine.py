@@ -232,6 +232,7 @@ class Engine:
                 r.token_ids += o.new_token_ids
                 r.text += o.new_text
                 r.logprobs += o.logprobs
+                r.prompt_logprobs = r.prompt_logprobs or o.prompt_logprobs
                 r.finish_reason = o.finish_reason
                 r.num_cached_tokens = max(r.num_cached_tokens, o.num_cached_tokens)
         return [results[i] for i in ids]
@@ -278,6 +279,9 @@ class Engine:
                 reason = "stop"
         if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
+        scored: tuple[TokenLogprob, ...] = ()
+        if req.prompt_logprobs:  # computed with the first token, sent with it (engine/prompt_logprobs.py)
+            scored, req.prompt_logprobs = req.scored_prompt(), []
         handoff = None
         if reason is None and req.hands_off:
             reason = "prefill_done"
@@ -296,6 +300,7 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=[logprob] if logprob is not None else [],
+            prompt_logprobs=scored,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,

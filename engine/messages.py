@@ -27,6 +27,7 @@ class TokenOutput:
     num_cached_tokens: int = 0
     num_draft_tokens: int = 0  # speculation so far: draft tokens verified, and accepted
     num_accepted_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with the first token, where asked (engine/prompt_logprobs.py)
 
     @classmethod
     def of(cls, o: RequestOutput) -> TokenOutput:
@@ -41,6 +42,7 @@ class TokenOutput:
             o.num_cached_tokens,
             o.num_draft_tokens,
             o.num_accepted_tokens,
+            o.prompt_logprobs,
         )
 
     def shifted(self, prompt_tokens: int, earlier_outputs: int) -> TokenOutput:

@@ -27,6 +27,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefill_done"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with the first token, where asked: prompt tokens 1..n-1
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -46,4 +47,5 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     num_cached_tokens: int = 0

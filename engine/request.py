@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from engine.cache_keys import DECODE_ROW, cache_keys, decode_from
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class Request:
     draft: tuple[int, ...] = ()  # tokens to verify in the next step (engine/speculation.py)
     num_draft_tokens: int = 0  # draft tokens verified so far, and accepted
     num_accepted_tokens: int = 0
+    # engine/prompt_logprobs.py: prompt_logprobs[i] scores prompt token i + 1, once computed
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list, repr=False)
     hands_off: bool = False  # a prefill engine's: it stops at its first token, its blocks held for the transfer
     _keys: list[int] = field(default_factory=list, repr=False)  # cache_keys(), as far as computed
 
@@ -85,6 +88,19 @@ class Request:
             if pos < end:
                 return True, min(end, self.decode_from)
         return False, self.decode_from
+
+    def record_prompt_logprob(self, pos: int, logprob: TokenLogprob) -> None:
+        """Prompt token `pos`'s logprob (1 <= pos < the prompt's length), as a step computed it."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
+        self.prompt_logprobs[pos - 1] = logprob
+
+    def scored_prompt(self) -> tuple[TokenLogprob, ...]:
+        """Its prompt tokens' logprobs (from the second token on), or () where not all are computed
+        (none asked for, or the prompt's KV came from elsewhere: the decode side of P/D)."""
+        if not self.prompt_logprobs or any(lp is None for lp in self.prompt_logprobs):
+            return ()
+        return tuple(lp for lp in self.prompt_logprobs if lp is not None)
 
     @property
     def num_output_tokens(self) -> int:

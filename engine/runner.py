@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into model inputs, runs the model and samples.
 
-The only torch-facing part of a step; one host sync (the sampler's .tolist()).
+The only torch-facing part of a step; one host sync (the sampler's .tolist()), and one for each
+slice of prompt rows scored where a request asks for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.kv_cache import KVCacheManager
 from engine.model import LayerCallback, LlamaModel
 from engine.paged_cache import PagedKVCache
 from engine.penalties import SeenTokens
+from engine.prompt_logprobs import PromptRows, score
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -39,7 +41,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None) -> SamplerOutput:
         """Run one step; returns one sample per completing chunk, in `out.chunks` order (a chunk
         with a draft of k tokens: k + 1 samples, one a position)."""
-        logits, completing = self.forward(out, on_layer_done)
+        logits, completing, scored = self.forward(out, on_layer_done)
+        if scored:  # the prompt rows' logits follow the rows to sample
+            sampling = sum(len(c.draft) + 1 for c in completing)
+            score(logits[sampling:], scored)
+            logits = logits[:sampling]
         rows = [(c, i) for c in completing for i in range(len(c.draft) + 1)]  # position i of c's draft
         params = [c.request.params for c, _ in rows]
         # a drafted position i samples with output index n + i: the draw it would get unspeculated
@@ -59,9 +65,10 @@ class ModelRunner:
 
     def forward(
         self, out: SchedulerOutput, on_layer_done: LayerCallback | None = None
-    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    ) -> tuple[torch.Tensor, list[ScheduledChunk], list[PromptRows]]:
         """The step's model inputs, built on the cache's device, through the model: logits
-        [rows to sample, vocab] and the chunks they belong to. No host sync."""
+        [rows to sample + prompt rows to score, vocab], the chunks the first belong to and the
+        prompt rows of the rest (engine/prompt_logprobs.py). No host sync."""
         bs = self.block_size
         dev = self.cache.device
         ids: list[int] = []
@@ -69,12 +76,15 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         completing: list[ScheduledChunk] = []
+        scored: list[PromptRows] = []
+        prompt_rows: list[int] = []  # the rows of `scored`, in order
         # a decode runs one row; a decode with a draft of k tokens k + 1 rows, each attending to
         # its own position's context (the draft's KV is written before attention reads it)
         tables: list[list[int]] = []
         lens: list[int] = []
         for c in out.decodes:
             table = self.kv.block_table(c.request.request_id)
+            self._score(c, len(ids), scored, prompt_rows)
             for i, tok in enumerate(c.token_ids):
                 p = c.start + i
                 ids.append(tok)
@@ -86,11 +96,11 @@ class ModelRunner:
                 logits_rows.extend(range(len(ids) - 1 - len(c.draft), len(ids)))
                 completing.append(c)
         decode_only = bool(ids) and not out.prefills and on_layer_done is None and len(logits_rows) == len(ids)
-        if self.graphs is not None and decode_only:
+        if self.graphs is not None and decode_only and not scored:
             used = [t[: -(-n // bs)] for t, n in zip(tables, lens, strict=True)]
             graphed = self.graphs.logits(DecodeBatch(ids, pos, slots, used, lens))
             if graphed is not None:
-                return graphed, completing
+                return graphed, completing, scored
         decode_tables = decode_mask = decode_lens = None
         if tables:
             max_blocks = max((n + bs - 1) // bs for n in lens)
@@ -104,6 +114,7 @@ class ModelRunner:
         for c in out.prefills:
             table = self.kv.block_table(c.request.request_id)
             start = len(ids)
+            self._score(c, start, scored, prompt_rows)
             ids.extend(c.request.token_ids[c.start : c.end])
             pos.extend(range(c.start, c.end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, c.end))
@@ -126,7 +137,15 @@ class ModelRunner:
             torch.tensor(pos, device=dev),
             self.cache,
             meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
             on_layer_done,
         )
-        return logits, completing
+        return logits, completing, scored
+
+    @staticmethod
+    def _score(c: ScheduledChunk, first_row: int, scored: list[PromptRows], prompt_rows: list[int]) -> None:
+        """Add the rows of chunk `c` (its first at `first_row`) that score prompt tokens, if any."""
+        rows = PromptRows.of(c.request, c.start, c.num_new_tokens - len(c.draft))
+        if rows is not None:
+            scored.append(rows)
+            prompt_rows.extend(range(first_row, first_row + rows.end - rows.start))

@@ -40,6 +40,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: the prompt tokens' logprobs with the top N at each position (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0
     output_offset: int = 0
@@ -71,6 +73,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "logprobs")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise InvalidRequestError(f"output_offset must be an integer >= 0, got {self.output_offset!r}", "params")
         if any(not s for s in self.stop):

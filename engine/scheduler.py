@@ -131,7 +131,7 @@ class Scheduler:
         while self._waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][1]
             external_kv = self.kv.has_request(req.request_id)
-            if not external_kv:
+            if not external_kv and req.params.prompt_logprobs is None:  # those score every position
                 req.num_computed_tokens = self.kv.get_computed_blocks(req.request_id, req.cache_keys())
                 req.num_cached_tokens = req.num_computed_tokens
             n = self._chunk(req, budget)

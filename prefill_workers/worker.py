@@ -6,6 +6,7 @@ the prompt computes. The call returns the first token and where the time went.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -149,8 +150,7 @@ class PrefillWorker(WorkerBase):
             self.loop.later(lambda e: e.release(request_id))
         out = TokenOutput.of(first)
         if first.finish_reason == "prefill_done":
-            out = TokenOutput(out.token_ids, out.text, False, None, out.num_prompt_tokens, out.num_output_tokens,
-                              out.logprobs)  # fmt: skip
+            out = dataclasses.replace(out, finished=False, finish_reason=None, num_cached_tokens=0)
         return PrefillResult(
             first=out,
             cached_tokens=first.num_cached_tokens,

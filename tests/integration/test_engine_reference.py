@@ -122,3 +122,24 @@ def test_penalties_and_logit_bias_match_hf_and_openais_formula(engine_fp32: Engi
                 break  # a genuine near-tie: the two answers part here
     assert changed >= 3, "the penalties changed most answers"
     engine_fp32.check_integrity()
+
+
+def test_prompt_logprobs_match_hf(engine_fp32: Engine, hf_model: Any) -> None:
+    """Each prompt token's logprob (and the top 5 there) as HF's log_softmax over its teacher-forced
+    logits says, for a prompt of several chunks, the prefix cache warm with it."""
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    prompt = tok.encode(" ".join(RAW) * 30)[:1100]  # 3 chunks of 512
+    engine_fp32.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # now cached
+    (c,) = engine_fp32.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=5))
+    engine_fp32.check_integrity()
+    ref = torch.log_softmax(hf_logits(hf_model, prompt)[:-1], dim=-1)  # position p scores token p + 1
+    assert [lp.token_id for lp in c.prompt_logprobs] == prompt[1:]
+    want = ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    assert torch.tensor([lp.logprob for lp in c.prompt_logprobs]) == pytest.approx(want, abs=1e-3)
+    top = ref.topk(5, dim=-1)
+    for p in (0, 511, 512, 1098):  # chunk edges, and the last
+        got = c.prompt_logprobs[p].top
+        assert [v for _, v in got] == pytest.approx(top.values[p].tolist(), abs=1e-3)
+        near_tie = (top.values[p][:-1] - top.values[p][1:]).abs().min() < 1e-3
+        assert near_tie or [t for t, _ in got] == top.indices[p].tolist()
