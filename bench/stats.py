@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# The server's per-request timing (router.dispatch.Trace.timing). first_decode_s: transfer done to
+# The server's per-request timing (router.trace.Trace.timing). first_decode_s: transfer done to
 # the first token back at the router, a part of P/D TTFT that none of the others covers; route_s:
 # the router's own routing (the prefix index) and failed attempts. All but decode_s sum to TTFT.
 BREAKDOWN = ("queue_s", "route_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s")

@@ -26,9 +26,11 @@ from fastapi.responses import JSONResponse
 from cluster.outputs import StreamOutput
 from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
-from router.dispatch import Dispatcher, Run, Trace
+from router.dispatch import Dispatcher, Run
+from router.echo import Echo
 from router.errors import as_api_error
 from router.responses import Shape, sse, usage
+from router.trace import Trace
 
 _SEEDS = 2**64
 
@@ -68,9 +70,12 @@ class Choice:
 class Choices:
     """The n choices of one request, run side by side; `outputs()` merges their streams."""
 
-    def __init__(self, d: Dispatcher, prompt: Sequence[int], params: SamplingParams, trace: Trace, n: int) -> None:
+    def __init__(
+        self, d: Dispatcher, prompt: Sequence[int], params: SamplingParams, trace: Trace, n: int, echo: Echo | None
+    ) -> None:
         self._d = d
         self._prompt = prompt
+        self._echo = echo  # each choice's text and logprobs start with the prompt (router/echo.py)
         self.retry_after_s = d.settings.retry_after_s
         self.choices = [Choice(i, choice_trace(trace, i), seeded(params, i)) for i in range(n)]
         # bounded: a client that reads slowly holds the pumps back, as it holds one run's back
@@ -82,13 +87,13 @@ class Choices:
         """Start choice 0 (to its first token), then the rest, which stream as they come. Raises
         what choice 0's start raised."""
         first = self.choices[0]
-        first.run = await self._d.start(self._prompt, first.params, first.trace)
+        first.run = await self._d.start(self._prompt, first.params, first.trace, self._echo)
         self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
 
     async def _pump(self, c: Choice) -> None:
         try:
             if c.run is None:
-                c.run = await self._d.start(self._prompt, c.params, c.trace)
+                c.run = await self._d.start(self._prompt, c.params, c.trace, self._echo)
             async for out in c.run.outputs():
                 await self._queue.put((c.index, out))
             await self._queue.put((c.index, None))

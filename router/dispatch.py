@@ -7,31 +7,30 @@ arrival -> Admission.acquire -> route -> generate -> first output -> ... -> fini
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 from cluster.cluster import NoWorkerError
-from cluster.outputs import Placement, StreamOutput
+from cluster.outputs import StreamOutput
 from cluster.request_run import WorkerDiedError
 from cluster.routing import Route
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.spans import TraceContext
 from router.admission import Admission
 from router.backend import Backend
+from router.echo import Echo
 from router.metrics import Metrics
 from router.pump import ThreadPump
 from router.recent import RecentRequests
 from router.retry import retry_route
 from router.room_wait import RoomQueue
 from router.settings import RouterSettings
-from router.tracing import RequestTracer, request_context
+from router.trace import Trace
+from router.tracing import RequestTracer
 from router.window import LoadWindow
 
 log = logging.getLogger("tandem.router")
@@ -42,91 +41,24 @@ class StreamEndedError(RuntimeError):
     """The worker's stream stopped before the request finished (or was aborted there)."""
 
 
-@dataclass
-class Trace:
-    """Where one request's time went and what it used (monotonic clock); one per HTTP request."""
-
-    request_id: str
-    endpoint: str
-    stream: bool = False
-    priority: int = 0
-    user: str | None = None
-    t_arrival: float = field(default_factory=time.monotonic)
-    router_queue_s: float = 0.0
-    t_dispatch: float = 0.0
-    t_first: float = 0.0
-    t_last: float = 0.0
-    placement: Placement | None = None
-    engine_ids: list[str] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    migrations: int = 0
-    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
-    spec_accepted_tokens: int = 0
-    status: int = 200
-    error: str | None = None
-    recorded: bool = False
-    client: TraceContext | None = None  # the client's W3C trace context, if it sent one
-    context: TraceContext = field(init=False)  # the request's root span (router.tracing)
-
-    def __post_init__(self) -> None:
-        self.context = request_context(self.request_id, self.client)
-
-    def timing(self) -> dict[str, Any]:
-        """queue (router + worker), route, prefill, transfer, first decode (transfer done to first
-        token back here), decode (first to last token), plus TTFT, E2E and where it ran. The parts
-        up to first decode sum to the TTFT."""
-        p = self.placement or Placement("", "")
-        worker_queue, prefill, transfer = p.queue_s, p.prefill_s, p.transfer_s
-        end = self.t_last or time.monotonic()
-        first = self.t_first or end
-        dispatch = self.t_dispatch or first
-        out = {
-            "queue_s": self.router_queue_s + worker_queue,
-            # admission to the last attempt's dispatch: routing (the prefix index), failed attempts
-            "route_s": max(0.0, dispatch - self.t_arrival - self.router_queue_s),
-            "prefill_s": prefill,
-            "transfer_s": transfer,
-            "first_decode_s": max(0.0, first - dispatch - worker_queue - prefill - transfer),
-            "decode_s": end - first,
-            "ttft_s": first - self.t_arrival,
-            "e2e_s": end - self.t_arrival,
-        }
-        return {
-            **{k: round(v, 6) for k, v in out.items()},
-            "prefill_worker": p.prefill_worker or None,
-            "decode_worker": p.decode_worker or None,
-            "cached_tokens": p.cached_tokens,
-            "transfer_bytes": p.transfer_bytes,
-            "transfer_gbps": round(p.transfer_gbps, 3),
-            "attempts": len(self.engine_ids),
-            "migrations": self.migrations,
-            "spec_draft_tokens": self.spec_draft_tokens,
-            "spec_accepted_tokens": self.spec_accepted_tokens,
-        }
-
-    def log_line(self) -> str:
-        skip = ("placement", "recorded", "client", "context")
-        fields = {k: v for k, v in asdict(self).items() if not k.startswith("t_") and k not in skip}
-        trace_id = f"{self.context.trace_id:032x}"
-        return json.dumps({"event": "request", **fields, "trace_id": trace_id, "timing": self.timing()}, default=str)
-
-
 class Run:
     """An admitted request with its first output in hand. `close()` exactly once (idempotent)."""
 
-    def __init__(self, pump: ThreadPump[StreamOutput], first: StreamOutput, trace: Trace, d: Dispatcher) -> None:
+    def __init__(
+        self, pump: ThreadPump[StreamOutput], first: StreamOutput, trace: Trace, d: Dispatcher, echo: Echo | None
+    ) -> None:
         self._pump = pump
         self._first: StreamOutput | None = first
         self._trace = trace
         self._d = d
+        self._echo = echo
         self._closed = False
 
     async def outputs(self) -> AsyncIterator[StreamOutput]:
         """The backend's outputs until one is finished. Raises StreamEndedError, or what the backend raised."""
         trace, m = self._trace, self._d.metrics
         while True:
+            first = self._first is not None
             if self._first is not None:
                 out, self._first = self._first, None
             else:
@@ -141,6 +73,8 @@ class Run:
                     for _ in range(n):
                         m.itl.observe(gap)
                 trace.t_last = now
+            if self._echo is not None:
+                out = self._echo.output(out, first)
             trace.completion_tokens += len(out.token_ids)
             if out.num_draft_tokens:  # running totals, on the outputs of steps that verified a draft
                 trace.spec_draft_tokens = max(trace.spec_draft_tokens, out.num_draft_tokens)
@@ -176,19 +110,22 @@ class Dispatcher:
         metrics.running.set_function(lambda: self.admission.running)
         metrics.waiting.set_function(lambda: self.admission.waiting)
 
-    async def start(self, prompt_ids: Sequence[int], params: SamplingParams, trace: Trace) -> Run:
-        """Admit, route and get the first output. Raises Saturated, NoWorkerError, InvalidRequestError,
-        or the last attempt's error."""
+    async def start(
+        self, prompt_ids: Sequence[int], params: SamplingParams, trace: Trace, echo: Echo | None = None
+    ) -> Run:
+        """Admit, route and get the first output; `echo`: the prompt in front of the outputs
+        (router/echo.py). Raises Saturated, NoWorkerError, InvalidRequestError, or the last
+        attempt's error."""
         trace.router_queue_s = await self.admission.acquire(trace.priority, self.settings.queue_timeout_s)
         self.metrics.queue_time.observe(trace.router_queue_s)
         try:
-            run = await self._first(list(prompt_ids), params, trace)
+            run = await self._first(list(prompt_ids), params, trace, echo)
         except BaseException:
             self.admission.release()
             raise
         return run
 
-    async def _first(self, prompt: list[int], params: SamplingParams, trace: Trace) -> Run:
+    async def _first(self, prompt: list[int], params: SamplingParams, trace: Trace, echo: Echo | None) -> Run:
         failed: list[Route] = []
         suspects: set[str] = set()  # workers a failure named: avoided first
         last_error: Exception | None = None
@@ -227,7 +164,7 @@ class Dispatcher:
             trace.t_first = trace.t_last = time.monotonic()
             trace.placement = first.placement
             self._observe_first(trace)
-            return Run(pump, first, trace, self)
+            return Run(pump, first, trace, self, echo)
 
     def route(
         self, prompt: list[int], params: SamplingParams, failed: Sequence[Route], suspects: frozenset[str] = frozenset()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -14,13 +14,17 @@ from starlette.types import Receive, Scope, Send
 
 from cluster.outputs import StreamOutput
 from engine.spans import TraceContext
+from engine.tokenizer import Tokenizer
 from router import choices
 from router.auth import api_key_check
 from router.choices import Choices
-from router.dispatch import Dispatcher, Run, Trace
+from router.dispatch import Dispatcher, Run
+from router.echo import Echo
 from router.errors import APIError, as_api_error
-from router.requests import ChatCompletionRequest, CompletionRequest, PromptTokens
+from router.prompt_tokens import PromptTokens
+from router.requests import ChatCompletionRequest, CompletionRequest
 from router.responses import Shape, sse, usage
+from router.trace import Trace
 
 CLIENT_GONE = 499  # nginx's "client closed request", for the log line and metrics
 INLINE_TOKENIZE_CHARS = 2048  # longer prompts tokenize on a thread, off the event loop
@@ -83,7 +87,8 @@ def build(d: Dispatcher) -> APIRouter:
     @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         body = body.model_copy(update={"priority": d.settings.clamp_priority(body.priority)})
-        return await _serve(d, request, body, "completion", lambda: body.prompt_tokens(model), body.max_tokens,
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens  # 0: the prompt alone (router/echo.py)
+        return await _serve(d, request, body, "completion", lambda: body.prompt_tokens(model), max_tokens,
                             body.logprobs)  # fmt: skip
 
     return api
@@ -113,9 +118,10 @@ async def _serve(
         tokens = prompt() if inline else await asyncio.to_thread(prompt)
         trace.prompt_tokens = len(tokens.ids)
         params = body.sampling(tokens, model, d.settings.default_max_tokens, max_tokens, logprobs)
+        echo = _echo(body, tokens.ids, model.tokenizer)
         if body.n > 1:
-            return await _serve_choices(d, request, body, Choices(d, tokens.ids, params, trace, body.n), shape)
-        start = d.start(tokens.ids, params, trace)
+            return await _serve_choices(d, request, body, Choices(d, tokens.ids, params, trace, body.n, echo), shape)
+        start = d.start(tokens.ids, params, trace, echo)
     except Exception as e:
         return _failed(d, trace, e)
     if not body.stream:
@@ -148,6 +154,15 @@ async def _serve_choices(
         await many.wait_closed()
         return Response(status_code=CLIENT_GONE)
     return EventStream(choices.events(many, shape, body.include_usage, output_chunks), many.close)
+
+
+def _echo(body: ChatCompletionRequest | CompletionRequest, ids: Sequence[int], tokenizer: Tokenizer) -> Echo | None:
+    """What a completion with `echo` puts in front of its answer: the prompt as sent (as text)."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return None
+    prompt = body.one_prompt
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(list(ids), skip_special_tokens=False)
+    return Echo.of(text, ids, body.logprobs, body.max_tokens)
 
 
 def _failed(d: Dispatcher, trace: Trace, e: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.dispatch import Trace
+    from router.trace import Trace
 
 PARTS = ("queue_s", "route_s", "prefill_s", "transfer_s", "first_decode_s", "decode_s")
 

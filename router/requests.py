@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import jinja2
@@ -15,6 +14,7 @@ from engine.sampling_params import MAX_REPETITION_PENALTY, SamplingParams
 from router.answer_marks import answer_spans
 from router.backend import ModelInfo
 from router.errors import REQUEST_ID, APIError
+from router.prompt_tokens import PromptTokens, check_fits, encode
 
 log = logging.getLogger("tandem.router")
 
@@ -69,6 +69,11 @@ class _Common(StrictBody):
     ignore_eos: bool = False
     priority: int = 0  # extension: lower runs first (vLLM's convention); clamped to the router's range
     speculate: bool = True  # extension: false opts this request out of speculative decoding
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The top N of the prompt's logprobs to compute (a completion's echo asks for them)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -131,6 +136,7 @@ class _Common(StrictBody):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self._bias(model.tokenizer.vocab_size),
             min_tokens=self.min_tokens,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -197,8 +203,8 @@ class ChatCompletionRequest(_Common):
         except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
             log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
             raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
-        _check_fits(model, text, "messages")
-        prompt = _encode(model, text, "messages", answer_spans(model.tokenizer, messages, text))
+        check_fits(model, text, "messages")
+        prompt = encode(model, text, "messages", answer_spans(model.tokenizer, messages, text))
         return prompt if exact_history or not prompt.decoded else replace(prompt, decoded_as_prompt=True)
 
     @property
@@ -219,7 +225,8 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions, vLLM's and SGLang's
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # a list: of one prompt
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt alone (router/echo.py)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -227,8 +234,9 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 asks for the prompt alone, with echo)",
+                           param="max_tokens")  # fmt: skip
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
@@ -240,15 +248,25 @@ class CompletionRequest(_Common):
         p = self.prompt
         return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
-    def prompt_tokens(self, model: ModelInfo) -> PromptTokens:
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def one_prompt(self) -> str | list[int]:
+        """The prompt; APIError (400) for a list of several."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise APIError(400, "one prompt per request (send a string, or a list with one string)", param="prompt")
-            p = str(p[0])
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+    def prompt_tokens(self, model: ModelInfo) -> PromptTokens:
+        p = self.one_prompt
         if isinstance(p, str):
-            _check_fits(model, p, "prompt")
-            ids = _encode(model, p, "prompt").ids
+            check_fits(model, p, "prompt")
+            ids = encode(model, p, "prompt").ids
         else:
             ids = [int(t) for t in p]
             vocab = model.tokenizer.vocab_size
@@ -257,36 +275,3 @@ class CompletionRequest(_Common):
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         return PromptTokens(ids)
-
-
-@dataclass(frozen=True)
-class PromptTokens:
-    """A request's prompt as token ids, and the spans of its earlier answers (chat only)."""
-
-    ids: list[int]
-    decoded: tuple[tuple[int, int], ...] = ()  # SamplingParams.decoded
-    decoded_as_prompt: bool = False  # SamplingParams.decoded_as_prompt
-
-
-def _check_fits(model: ModelInfo, text: str, param: str) -> None:
-    """Refuse (413) a prompt that must be more tokens than the context, before tokenizing it
-    (`Tokenizer.fewest_tokens`): a 2 MB prompt took 0.7-1.4 s of a core to count."""
-    fewest = model.tokenizer.fewest_tokens(text)
-    if fewest >= model.max_model_len:
-        raise PromptTooLongError(
-            f"the prompt has at least {fewest} tokens; this model's context is {model.max_model_len} tokens", param
-        )
-
-
-def _encode(model: ModelInfo, text: str, param: str, answers: Sequence[tuple[int, int]] = ()) -> PromptTokens:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequestError(f"{param} holds text that is not valid Unicode (a lone surrogate)", param) from None
-    try:
-        if not answers:
-            return PromptTokens(model.tokenizer.encode(text))
-        return PromptTokens(*model.tokenizer.encode_marking(text, answers))
-    except Exception as e:
-        log.warning("request %s: the tokenizer failed", REQUEST_ID.get(), exc_info=e)
-        raise InvalidRequestError(f"the tokenizer could not encode {param}", param) from e

@@ -49,10 +49,13 @@ class Shape:
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
+        # a NaN logprob: an echoed prompt's first token (router/echo.py), null here
+        values = [None if math.isnan(e.logprob) else _logprob(e.logprob) for e in entries]
+        tops = [{self._token(int(i)): _logprob(lp) for i, lp in e.top} for e in entries]
         return {
             "tokens": tokens,
-            "token_logprobs": [_logprob(e.logprob) for e in entries],
-            "top_logprobs": [{self._token(int(i)): _logprob(lp) for i, lp in e.top} for e in entries],
+            "token_logprobs": values,
+            "top_logprobs": [None if v is None else top for v, top in zip(values, tops, strict=True)],
             "text_offset": offsets,
         }
 

@@ -39,7 +39,7 @@ from engine import spans
 from engine.spans import TraceContext, new_span_id
 
 if TYPE_CHECKING:
-    from router.dispatch import Trace
+    from router.trace import Trace
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 # the ids the next root span takes: the ones its request was given at arrival (`request_context`)

@@ -285,12 +285,23 @@ def test_conditional_disaggregation_runs_a_short_prompt_colocated(url: str, mode
     assert min(parts) >= 0 and abs(sum(parts) - pd_timing["ttft_s"]) < 0.002, pd_timing
     assert httpx.post(f"{url}/admin/pools/colocated", json={"replicas": 1}, headers=ADMIN).status_code == 200
     until(lambda: up(url, "colocated") == 1, 180, "a colocated worker")
+    scored = {**body, "echo": True, "logprobs": 2, "prompt": "Paris is the capital of a country that " * 8}
+    pd_echo = httpx.post(f"{url}/v1/completions", json=scored, timeout=60).json()["choices"][0]
     colo = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     timing = json.loads(colo.headers["x-tandem-timing"])
     assert timing["prefill_worker"] == timing["decode_worker"] and timing["transfer_bytes"] == 0, timing
     assert colo.json()["choices"][0]["text"] == pd.json()["choices"][0]["text"]
     drop_details = lambda u: {k: v for k, v in u.items() if k != "prompt_tokens_details"}  # noqa: E731
     assert drop_details(colo.json()["usage"]) == drop_details(pd.json()["usage"])  # the caches differ
+    # echo (router/echo.py): the prompt's logprobs come from whichever worker prefilled it, the same
+    colo_echo = httpx.post(f"{url}/v1/completions", json={**scored, "prompt": [scored["prompt"]]}, timeout=60)
+    colo_echo = colo_echo.json()["choices"][0]
+    for echoed in (pd_echo, colo_echo):
+        assert echoed["text"].startswith(scored["prompt"]) and echoed["logprobs"]["token_logprobs"][0] is None
+    pd_lp, colo_lp = pd_echo["logprobs"], colo_echo["logprobs"]
+    assert len(pd_lp["tokens"]) - 10 > 32 and pd_lp["tokens"] == colo_lp["tokens"]
+    assert pd_lp["token_logprobs"][1:] == pytest.approx(colo_lp["token_logprobs"][1:], abs=1e-3)
+    assert all(-30 < v < 0 for v in pd_lp["token_logprobs"][1:]) and all(len(t) == 2 for t in pd_lp["top_logprobs"][1:])
     long = {**body, "prompt": "The capital of France is a city that " * 8}  # over 32 tokens: P/D
     assert (
         json.loads(httpx.post(f"{url}/v1/completions", json=long, timeout=60).headers["x-tandem-timing"])[

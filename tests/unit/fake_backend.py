@@ -96,14 +96,17 @@ class FakeBackend:
                 )
                 if self.malformed:
                     logprobs = (TokenLogprob("not a token id", 0.0, ()),)  # type: ignore[arg-type]
-                placement = None
+                placement, scored = None, ()
+                if i == 0 and params.prompt_logprobs is not None:  # -1.5 each, top N the token itself
+                    n = params.prompt_logprobs
+                    scored = tuple(TokenLogprob(t, -1.5, ((t, -1.5),) * n) for t in prompt_ids[1:])
                 if i == 0:
                     placement = Placement(
                         str(route.prefill or route.decode), route.decode, 0, 0.001, 0.01, 0.002, 4096, 0.002
                     )
                 yield StreamOutput(
                     (tok,), self.tokenizer.decode([tok]), last, "length" if last else None, len(prompt_ids), i + 1,
-                    logprobs, placement=placement,
+                    logprobs, prompt_logprobs=scored, placement=placement,
                 )  # fmt: skip
         finally:
             self.closed.append(request_id)

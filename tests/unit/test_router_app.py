@@ -141,7 +141,9 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"model": "fake-model", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": [10**7]}, 400, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "fake-model", "prompt": [[1, 2], [3]]}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
 ]
 
 

@@ -1,0 +1,89 @@
+"""`echo` on /v1/completions (router/echo.py) against the fake backend, whose workers score each
+prompt token -1.5 (the token itself its top 1): the prompt in front of the text and of the
+logprobs, the first token's null, `max_tokens: 0`, streams, n > 1, and a prompt of token ids as
+lm-evaluation-harness sends it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from tests.unit.fake_backend import FakeBackend, client, events
+
+COMPLETIONS = "/v1/completions"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture
+def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
+    return FakeBackend(smollm_tokenizer)
+
+
+def post(backend: FakeBackend, **body: Any) -> dict[str, Any]:
+    r = client(backend).post(COMPLETIONS, json={"model": "fake-model", "prompt": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_echo_puts_the_prompt_before_the_answer_and_its_logprobs(backend: FakeBackend) -> None:
+    tok = backend.tokenizer
+    ids = tok.encode(PROMPT)
+    body = post(backend, max_tokens=3, echo=True, logprobs=1)
+    (choice,) = body["choices"]
+    answer = tok.decode(backend.text_ids[:3])
+    assert choice["text"] == PROMPT + answer
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, "nothing predicts the first token"
+    assert lp["token_logprobs"][1 : len(ids)] == [-1.5] * (len(ids) - 1)
+    assert lp["token_logprobs"][len(ids) :] == [-0.25] * 3
+    assert lp["top_logprobs"][1] == {tok.decode([ids[1]], skip_special_tokens=False): -1.5}
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(ids)] == len(PROMPT)
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 3
+    assert backend.params[0].prompt_logprobs == 1
+
+
+def test_echo_without_logprobs_asks_the_engine_for_none(backend: FakeBackend) -> None:
+    body = post(backend, max_tokens=2, echo=True)
+    assert body["choices"][0]["text"] == PROMPT + backend.tokenizer.decode(backend.text_ids[:2])
+    assert body["choices"][0]["logprobs"] is None and backend.params[0].prompt_logprobs is None
+    plain = post(backend, max_tokens=2, logprobs=1)  # logprobs without echo: the answer's only
+    assert len(plain["choices"][0]["logprobs"]["tokens"]) == 2 and backend.params[1].prompt_logprobs is None
+
+
+def test_max_tokens_zero_echoes_the_prompt_alone(backend: FakeBackend) -> None:
+    ids = backend.tokenizer.encode(PROMPT)
+    body = post(backend, max_tokens=0, echo=True, logprobs=0)
+    (choice,) = body["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["top_logprobs"][1] == {}
+    assert body["usage"]["completion_tokens"] == 0 and backend.params[0].max_tokens == 1
+
+
+def test_a_prompt_of_token_ids_as_lm_eval_sends_it(backend: FakeBackend) -> None:
+    """lm-evaluation-harness's loglikelihood request: `prompt` a list of one list of ids."""
+    ids = backend.tokenizer.encode(PROMPT)
+    body = post(backend, prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"].startswith(backend.tokenizer.decode(ids, skip_special_tokens=False))
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and sum(lp["token_logprobs"][1:-1]) == -1.5 * (len(ids) - 1)
+
+
+def test_the_stream_and_each_of_n_choices_echo_too(backend: FakeBackend) -> None:
+    ids = backend.tokenizer.encode(PROMPT)
+    whole = post(backend, max_tokens=4, echo=True, logprobs=1)["choices"][0]
+    r = client(backend).post(COMPLETIONS, json={"model": "fake-model", "prompt": PROMPT, "max_tokens": 4,
+                                                "echo": True, "logprobs": 1, "stream": True})  # fmt: skip
+    chunks = [c for c in events(r.text) if c["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPT), "the prompt comes first, with the first token"
+    values = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert values == whole["logprobs"]["token_logprobs"]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
+    many = post(backend, max_tokens=2, echo=True, logprobs=1, n=2)
+    assert [c["text"][: len(PROMPT)] for c in many["choices"]] == [PROMPT, PROMPT]
+    assert all(len(c["logprobs"]["tokens"]) == len(ids) + 2 for c in many["choices"])
