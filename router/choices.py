@@ -1,11 +1,13 @@
-"""OpenAI's `n`: n choices of one prompt, each its own engine request, answered as one response.
+"""OpenAI's `n`, and a completion's list of prompts: n choices of each prompt, each its own
+engine request, answered as one response (choice `i * n + j`: prompt i's j-th).
 
-Choice 0 starts first; the others once its first token is out, so that its prompt is in the
-prefix cache they are routed by (a prompt of any length is prefilled about once). Each choice
-holds an admission slot and has its own Trace (request id `<id>-<i>` past the first), so the log
-and the metrics count n requests. With a `seed`, choice i samples from seed + i: choice 0 is
-the n = 1 answer, and each choice is the answer of an n = 1 request with its seed.
-`usage` counts the prompt once and every choice's tokens; `x-tandem-timing` is choice 0's.
+Choice 0 starts first; each prompt's first choice then, and its others once that one's first
+token is out, so that its prompt is in the prefix cache they are routed by (a prompt of any
+length is prefilled about once). Each choice holds an admission slot and has its own Trace
+(request id `<id>-<i>` past the first), so the log and the metrics count a request a choice.
+With a `seed`, choice j of a prompt samples from seed + j: its choice 0 is the n = 1 answer, and
+each choice is the answer of an n = 1 request with its seed. `usage` counts each prompt once and
+every choice's tokens; `x-tandem-timing` is choice 0's.
 
 A choice that fails fails the response: whole, with its error; streamed, with an error event
 once streaming started. The client leaving, or any end, closes every choice's run.
@@ -42,13 +44,22 @@ def seeded(params: SamplingParams, i: int) -> SamplingParams:
     return replace(params, seed=(params.seed + i + _SEEDS // 2) % _SEEDS - _SEEDS // 2)
 
 
-def choice_trace(trace: Trace, i: int) -> Trace:
+def choice_trace(trace: Trace, i: int, prompt_tokens: int) -> Trace:
     """Choice i's Trace: choice 0's is the request's own."""
     if i == 0:
         return trace
     t = Trace(f"{trace.request_id}-{i}", trace.endpoint, trace.stream, trace.priority, trace.user, client=trace.client)
-    t.prompt_tokens, t.t_arrival = trace.prompt_tokens, trace.t_arrival
+    t.prompt_tokens, t.t_arrival = prompt_tokens, trace.t_arrival
     return t
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request, as its choices run it."""
+
+    ids: Sequence[int]
+    params: SamplingParams
+    echo: Echo | None = None  # a completion's `echo` (router/echo.py)
 
 
 @dataclass
@@ -58,6 +69,8 @@ class Choice:
     index: int
     trace: Trace
     params: SamplingParams
+    prompt: Prompt
+    first: bool  # its prompt's first choice: the others of that prompt start once it has a token
     run: Run | None = None
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -68,36 +81,49 @@ class Choice:
 
 
 class Choices:
-    """The n choices of one request, run side by side; `outputs()` merges their streams."""
+    """The n choices of each prompt of one request, run side by side; `outputs()` merges their
+    streams."""
 
-    def __init__(
-        self, d: Dispatcher, prompt: Sequence[int], params: SamplingParams, trace: Trace, n: int, echo: Echo | None
-    ) -> None:
+    def __init__(self, d: Dispatcher, prompts: Sequence[Prompt], trace: Trace, n: int) -> None:
         self._d = d
-        self._prompt = prompt
-        self._echo = echo  # each choice's text and logprobs start with the prompt (router/echo.py)
+        self._prompts = prompts
         self.retry_after_s = d.settings.retry_after_s
-        self.choices = [Choice(i, choice_trace(trace, i), seeded(params, i)) for i in range(n)]
+        self.choices = [
+            Choice(i * n + j, choice_trace(trace, i * n + j, len(p.ids)), seeded(p.params, j), p, j == 0)
+            for i, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        # a prompt's first choice has its first token: the others of that prompt may start
+        self._prefilled = [asyncio.Event() for _ in prompts]
         # bounded: a client that reads slowly holds the pumps back, as it holds one run's back
-        self._queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue(16 * n)
+        self._queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue(
+            16 * len(self.choices)
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._n = n
 
     async def start(self) -> None:
         """Start choice 0 (to its first token), then the rest, which stream as they come. Raises
         what choice 0's start raised."""
         first = self.choices[0]
-        first.run = await self._d.start(self._prompt, first.params, first.trace, self._echo)
+        first.run = await self._d.start(first.prompt.ids, first.params, first.trace, first.prompt.echo)
+        self._prefilled[0].set()
         self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
 
     async def _pump(self, c: Choice) -> None:
+        prefilled = self._prefilled[c.index // self._n]
         try:
             if c.run is None:
-                c.run = await self._d.start(self._prompt, c.params, c.trace, self._echo)
+                if not c.first:
+                    await prefilled.wait()
+                c.run = await self._d.start(c.prompt.ids, c.params, c.trace, c.prompt.echo)
+            prefilled.set()
             async for out in c.run.outputs():
                 await self._queue.put((c.index, out))
             await self._queue.put((c.index, None))
         except Exception as e:
+            prefilled.set()  # the response fails with `e`: the others need not wait
             await self._queue.put((c.index, e))
 
     async def outputs(self) -> AsyncIterator[tuple[int, StreamOutput]]:
@@ -113,9 +139,11 @@ class Choices:
                 yield i, item
 
     def usage(self) -> dict[str, Any]:
-        first = self.choices[0].trace
-        cached = first.placement.cached_tokens if first.placement is not None else 0
-        return usage(first.prompt_tokens, sum(c.trace.completion_tokens for c in self.choices), cached)
+        """Each prompt once (and its first choice's cached count), every choice's tokens."""
+        firsts = [c.trace for c in self.choices if c.first]
+        cached = sum(t.placement.cached_tokens for t in firsts if t.placement is not None)
+        prompts = sum(len(p.ids) for p in self._prompts)
+        return usage(prompts, sum(c.trace.completion_tokens for c in self.choices), cached)
 
     def close(self, error: Exception | None = None, gone_status: int = 499) -> None:
         """End every choice (idempotent): its run closed, its trace finished, with `error`'s

@@ -17,7 +17,7 @@ from engine.spans import TraceContext
 from engine.tokenizer import Tokenizer
 from router import choices
 from router.auth import api_key_check
-from router.choices import Choices
+from router.choices import Choices, Prompt
 from router.dispatch import Dispatcher, Run
 from router.echo import Echo
 from router.errors import APIError, as_api_error
@@ -79,7 +79,7 @@ def build(d: Dispatcher) -> APIRouter:
             request,
             body,
             "chat",
-            lambda: body.prompt_tokens(model, d.settings.exact_history),
+            lambda: [body.prompt_tokens(model, d.settings.exact_history)],
             body.max_new,
             body.logprobs_n,
         )
@@ -99,7 +99,7 @@ async def _serve(
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
     kind: str,
-    prompt: Callable[[], PromptTokens],
+    prompt: Callable[[], list[PromptTokens]],  # a completion may send several (router/choices.py)
     max_tokens: int | None,
     logprobs: int | None,
 ) -> Response:
@@ -115,13 +115,15 @@ async def _serve(
         body.check_supported()
         # a short prompt tokenizes in tens of microseconds: less than a hop to a thread and back
         inline = body.prompt_chars <= INLINE_TOKENIZE_CHARS
-        tokens = prompt() if inline else await asyncio.to_thread(prompt)
-        trace.prompt_tokens = len(tokens.ids)
-        params = body.sampling(tokens, model, d.settings.default_max_tokens, max_tokens, logprobs)
-        echo = _echo(body, tokens.ids, model.tokenizer)
-        if body.n > 1:
-            return await _serve_choices(d, request, body, Choices(d, tokens.ids, params, trace, body.n, echo), shape)
-        start = d.start(tokens.ids, params, trace, echo)
+        prompts = [
+            Prompt(t.ids, body.sampling(t, model, d.settings.default_max_tokens, max_tokens, logprobs),
+                   _echo(body, i, t.ids, model.tokenizer))
+            for i, t in enumerate(prompt() if inline else await asyncio.to_thread(prompt))
+        ]  # fmt: skip
+        trace.prompt_tokens = len(prompts[0].ids)
+        if body.n > 1 or len(prompts) > 1:
+            return await _serve_choices(d, request, body, Choices(d, prompts, trace, body.n), shape)
+        start = d.start(prompts[0].ids, prompts[0].params, trace, prompts[0].echo)
     except Exception as e:
         return _failed(d, trace, e)
     if not body.stream:
@@ -156,11 +158,13 @@ async def _serve_choices(
     return EventStream(choices.events(many, shape, body.include_usage, output_chunks), many.close)
 
 
-def _echo(body: ChatCompletionRequest | CompletionRequest, ids: Sequence[int], tokenizer: Tokenizer) -> Echo | None:
-    """What a completion with `echo` puts in front of its answer: the prompt as sent (as text)."""
+def _echo(
+    body: ChatCompletionRequest | CompletionRequest, i: int, ids: Sequence[int], tokenizer: Tokenizer
+) -> Echo | None:
+    """What a completion with `echo` puts in front of prompt i's answers: the prompt as sent (as text)."""
     if not isinstance(body, CompletionRequest) or not body.echo:
         return None
-    prompt = body.one_prompt
+    prompt = body.prompts[i]
     text = prompt if isinstance(prompt, str) else tokenizer.decode(list(ids), skip_special_tokens=False)
     return Echo.of(text, ids, body.logprobs, body.max_tokens)
 

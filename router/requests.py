@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -24,6 +24,7 @@ _I64 = 2**63
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_N = 16  # choices one request may ask for (router/choices.py): each runs as a request of its own
+MAX_CHOICES = 64  # ... and over all its prompts (a completion's list), n of each
 
 
 class StrictBody(BaseModel):
@@ -225,7 +226,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions, vLLM's and SGLang's
 
-    prompt: str | list[int] | list[str] | list[list[int]]  # a list: of one prompt
+    prompt: str | list[int] | list[str] | list[list[int]]  # a list of strings or of id lists: prompts
     max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt alone (router/echo.py)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -253,17 +254,20 @@ class CompletionRequest(_Common):
         return self.logprobs if self.echo else None
 
     @property
-    def one_prompt(self) -> str | list[int]:
-        """The prompt; APIError (400) for a list of several."""
+    def prompts(self) -> list[str | list[int]]:
+        """Its prompts, each a string or token ids; APIError (400) for more than fit MAX_CHOICES."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "one prompt per request (send a string, or a list with one string)", param="prompt")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+        several = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(several) * self.n > MAX_CHOICES:
+            why = f"{len(several)} prompts, n = {self.n}"
+            raise APIError(400, f"at most {MAX_CHOICES} choices (prompts x n) a request, not {why}", param="prompt")
+        return cast(list[str | list[int]], several)
 
-    def prompt_tokens(self, model: ModelInfo) -> PromptTokens:
-        p = self.one_prompt
+    def prompt_tokens(self, model: ModelInfo) -> list[PromptTokens]:
+        return [self._tokens(model, p) for p in self.prompts]
+
+    @staticmethod
+    def _tokens(model: ModelInfo, p: str | list[int]) -> PromptTokens:
         if isinstance(p, str):
             check_fits(model, p, "prompt")
             ids = encode(model, p, "prompt").ids

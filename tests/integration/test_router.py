@@ -140,6 +140,12 @@ def test_openai_sdk_chat_and_completions(sdk: openai.OpenAI, model: str) -> None
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
 
+    # a list of prompts: a choice each, each the answer its prompt gets alone
+    pair = ["The capital of France is", "The largest planet is"]
+    both = sdk.completions.create(model=model, prompt=pair, max_tokens=8, temperature=0)
+    each = [sdk.completions.create(model=model, prompt=p, max_tokens=8, temperature=0) for p in pair]
+    assert [c.text for c in both.choices] == [e.choices[0].text for e in each]
+
     lp = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=5, logprobs=True, top_logprobs=2)
     assert lp.choices[0].logprobs is not None and lp.usage is not None
     content = lp.choices[0].logprobs.content or []

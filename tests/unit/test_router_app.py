@@ -140,8 +140,9 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"model": "fake-model", "prompt": "x " * 600}, 413, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": [10**7]}, 400, "prompt"),
-    ("/v1/completions", {"model": "fake-model", "prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {"model": "fake-model", "prompt": [[1, 2], [3]]}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": ["a"] * 17, "n": 4}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": [[1, 2], []]}, 400, "prompt"),
+    ("/v1/completions", {"model": "fake-model", "prompt": ["a", "x " * 600]}, 413, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "fake-model", "prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
 ]

@@ -1,7 +1,7 @@
-"""`echo` on /v1/completions (router/echo.py) against the fake backend, whose workers score each
-prompt token -1.5 (the token itself its top 1): the prompt in front of the text and of the
-logprobs, the first token's null, `max_tokens: 0`, streams, n > 1, and a prompt of token ids as
-lm-evaluation-harness sends it."""
+"""/v1/completions against the fake backend, whose workers score each prompt token -1.5 (the
+token itself its top 1): `echo` (router/echo.py), the prompt in front of the text and of the
+logprobs, the first token's null, `max_tokens: 0`, streams, n > 1, a prompt of token ids as
+lm-evaluation-harness sends it; and a list of prompts, answered as choices (router/choices.py)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,29 @@ def test_the_stream_and_each_of_n_choices_echo_too(backend: FakeBackend) -> None
     many = post(backend, max_tokens=2, echo=True, logprobs=1, n=2)
     assert [c["text"][: len(PROMPT)] for c in many["choices"]] == [PROMPT, PROMPT]
     assert all(len(c["logprobs"]["tokens"]) == len(ids) + 2 for c in many["choices"])
+
+
+def test_a_list_of_prompts_is_answered_choice_by_choice(backend: FakeBackend) -> None:
+    prompts = ["One", "Two three", "Four five six"]
+    body = post(backend, prompt=prompts, max_tokens=2, echo=True, n=2, seed=7)
+    texts = [c["text"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == list(range(6)), "prompt i's choice j: i * n + j"
+    assert [t[: len(prompts[i // 2])] for i, t in enumerate(texts)] == [p for p in prompts for _ in range(2)]
+    lengths = [len(backend.tokenizer.encode(p)) for p in prompts]
+    assert body["usage"]["prompt_tokens"] == sum(lengths), "each prompt once"
+    assert body["usage"]["completion_tokens"] == 12
+    started = sorted(zip(backend.started, backend.params, strict=True))
+    assert sorted(p.seed for _, p in started) == [7, 7, 7, 8, 8, 8], "choice j of each prompt: seed + j"
+    assert backend.closed and sorted(backend.closed) == sorted(backend.started)
+
+
+def test_a_list_of_prompts_streams_each_choice_with_its_index(backend: FakeBackend) -> None:
+    ids = [backend.tokenizer.encode(p) for p in ("Hello", "Good morning to you")]
+    r = client(backend).post(COMPLETIONS, json={"model": "fake-model", "prompt": ids, "max_tokens": 3, "stream": True,
+                                                "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = events(r.text)
+    text = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+            for i in (0, 1)}  # fmt: skip
+    assert text[0] == text[1] == backend.tokenizer.decode(backend.text_ids[:3])
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
