@@ -115,6 +115,12 @@ class Engine:
         req.hands_off = self.config.role == "prefill" and not whole
         self.scheduler.add(req)
 
+    def prepare(self, params: SamplingParams) -> None:
+        """What a request will need, made ahead, off the engine's lock (its grammar, compiled).
+        Raises InvalidRequestError."""
+        if isinstance(params, SamplingParams) and params.guide is not None:
+            self.grammars.compiled(params.guide)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if the id is unknown."""
         req = self.scheduler.requests.get(request_id)

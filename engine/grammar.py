@@ -1,8 +1,8 @@
 """Structured output (OpenAI's `response_format`: `json_object`, `json_schema`): a guided request
 samples, at each step, only tokens its grammar allows there.
 
-xgrammar (PyPI) does the grammar work: it compiles a JSON schema, or its built-in JSON grammar,
-against the tokenizer's vocabulary, and a request's matcher (a pushdown automaton) gives the
+xgrammar (PyPI) does the grammar work: it compiles a JSON schema (`{"type": "object"}` for
+`json_object`) against the tokenizer's vocabulary, and a request's matcher (a pushdown automaton) gives the
 tokens allowed next as a bitmask, in microseconds. `allowed_tokens` turns the step's masks into
 one boolean tensor for the sampler (engine/sampler.py), which keeps a row's logprobs the
 model's, as it does under penalties. The engine advances a request's matcher with each token it
@@ -68,15 +68,20 @@ class Grammars:
     def matcher(self, guide: Guide) -> Any:
         """A fresh matcher for `guide`. Raises InvalidRequestError where it cannot be had: no
         tokenizer, no xgrammar, or a schema xgrammar refuses."""
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(self.compiled(guide))
+
+    def compiled(self, guide: Guide) -> Any:
+        """`guide`'s grammar, compiled once (xgrammar caches it by schema: 8-100 ms for schemas
+        of 0.6-35K characters here, then under 1 ms), so a worker compiles it before it takes the
+        engine's lock (`Engine.prepare`), not while every stream waits. Raises InvalidRequestError."""
         compiler = self._compiler or self._new_compiler()
         schema = guide.schema if guide.kind == "json_schema" else '{"type": "object"}'
         try:  # whitespace only in the separators: a free run of it is where small models loop
-            compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
+            return compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
         except Exception as e:  # xgrammar raises RuntimeError (or its own) on a schema it cannot use
             raise InvalidRequestError(f"the JSON schema cannot be used: {str(e)[:300]}", "response_format") from None
-        import xgrammar
-
-        return xgrammar.GrammarMatcher(compiled)
 
     def _new_compiler(self) -> Any:
         if self._tokenizer is None:

@@ -145,6 +145,7 @@ class WorkerBase:
         """Prefill (what the prefix cache lacks) and decode `prompt_ids` in this engine, yielding
         outputs until the request finishes; closing the generator early aborts the request."""
         self._check_open()
+        self.engine.prepare(params)
         stream = self.loop.open(request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params))
         try:
             for out in stream.iterate(step_timeout_s):
@@ -164,6 +165,7 @@ class WorkerBase:
         the request is queued. `traceparent`: the router's span, to record this worker's under
         (engine/spans.py). Raises InvalidRequestError, WorkerDraining."""
         self._check_open()
+        self.engine.prepare(params)
         self.spans.begin(request_id, "worker.run", traceparent, {"tandem.prompt_tokens": len(prompt_ids)})
         self._open_into(
             subscriber, request_id, lambda: self.engine.add_request(request_id, list(prompt_ids), params, whole=True)

@@ -270,6 +270,7 @@ class KVReceiver:
         self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
     ) -> None:
         """Hand a complete transfer to the engine as a running request."""
+        self.engine.prepare(params)
 
         def start(r: Reservation) -> None:
             if len(prompt_token_ids) > r.num_tokens:

@@ -124,6 +124,7 @@ class PrefillWorker(WorkerBase):
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, reservation: bytes
     ) -> PrefillResult:
         self._check_open()
+        self.engine.prepare(params)
         res = pb.ReserveResponse.FromString(reservation)
         t0 = time.monotonic()
         client = self.clients.get(res.endpoint)

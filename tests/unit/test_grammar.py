@@ -12,9 +12,11 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import Grammars, Guide, allowed_tokens
+from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from tests.unit.tiny import make_engine
 
 pytest.importorskip("xgrammar", reason="structured output needs xgrammar (make setup installs it)")
 
@@ -91,3 +93,17 @@ def test_what_cannot_be_guided_is_refused(smollm_tokenizer: Tokenizer) -> None:
         Grammars(None, 128).matcher(Guide("json"))
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(guide=Guide("json"), min_tokens=3)
+
+
+def test_a_worker_compiles_before_it_takes_the_engine_lock(tiny_model: LlamaModel) -> None:
+    """`Engine.prepare` compiles a guided request's grammar ahead (or refuses it), and passes
+    any other request by; `add_request` then refuses the same."""
+    engine = make_engine(tiny_model, num_blocks=16)  # token ids only: no tokenizer, no grammar
+    engine.prepare(SamplingParams())
+    guided = SamplingParams(guide=Guide("json"))
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.prepare(guided)
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.add_request("r", [1, 2, 3], guided)
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == 16 and not engine.has_unfinished()
