@@ -57,6 +57,7 @@ class Tokenizer:
         self.special_token_ids = special_token_ids
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._token_texts: dict[int, str] = {}  # token_text's: at most the vocabulary
         # the most characters one token covers, where that bounds a text's token count (fewest_tokens)
         self.max_token_chars = max_token_chars
 
@@ -198,6 +199,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form whole UTF-8 characters come out as U+FFFD."""
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (what a logprobs entry names), remembered:
+        an 8K-token echo with 20 alternatives a position names ~170K tokens, 0.24 s decoded one
+        by one."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
     def id_to_token(self, token_id: int) -> str | None:

@@ -20,6 +20,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from fastapi import Response
@@ -31,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from router.dispatch import Dispatcher, Run
 from router.echo import Echo
 from router.errors import as_api_error
-from router.responses import Shape, sse, usage
+from router.responses import Shape, off_loop_if_large, sse, usage
 from router.trace import Trace
 
 _SEEDS = 2**64
@@ -198,18 +199,20 @@ async def whole(
     await choices.wait_closed()
     if not done:
         return Response(status_code=gone)
-    body = shape.whole_choices(
-        [(c.text, finishes.get(c.index), shape.logprobs(c.logprobs)) for c in choices.choices], choices.usage()
-    )
-    timing = json.dumps(choices.choices[0].trace.timing(), separators=(",", ":"))
-    return JSONResponse(body, headers={"x-tandem-timing": timing})
+    counts, timing = choices.usage(), json.dumps(choices.choices[0].trace.timing(), separators=(",", ":"))
+
+    def respond() -> JSONResponse:
+        each = [(c.text, finishes.get(c.index), shape.logprobs(c.logprobs)) for c in choices.choices]
+        return JSONResponse(shape.whole_choices(each, counts), headers={"x-tandem-timing": timing})
+
+    return await off_loop_if_large(sum(len(c.logprobs) for c in choices.choices), respond)
 
 
 async def events(
     choices: Choices,
     shape: Shape,
     include_usage: bool,
-    chunks: Callable[[Shape, StreamOutput, int, bool, int], tuple[list[dict[str, Any]], int]],
+    chunks: Callable[[Shape, StreamOutput, int, bool, int, dict[str, Any] | None], tuple[list[bytes], int]],
 ) -> AsyncIterator[bytes]:
     """The SSE stream of started `choices`: each choice's role chunk, then their chunks as they
     come, each with its index; the usage once all have finished."""
@@ -219,11 +222,12 @@ async def events(
             for c in choices.choices:
                 yield sse(shape.chunk("", role=True, include_usage=include_usage, index=c.index))
         async for i, out in choices.outputs():
-            bodies, offsets[i] = chunks(shape, out, offsets[i], include_usage, i)
-            if out.finished and out.finish_reason and not include_usage:
-                bodies[-1]["tandem"] = choices.choices[i].tandem()  # as an n = 1 stream's last chunk
-            for body in bodies:
-                yield sse(body)
+            # the last chunk of a choice carries its timing, as an n = 1 stream's does
+            last = choices.choices[i].tandem() if out.finished and out.finish_reason and not include_usage else None
+            encode = partial(chunks, shape, out, offsets[i], include_usage, i, last)
+            frames, offsets[i] = await off_loop_if_large(len(out.logprobs), encode)
+            for frame in frames:
+                yield frame
         if include_usage:
             yield sse({**shape.usage_chunk(choices.usage()), "tandem": choices.choices[0].tandem()})
         yield sse("[DONE]")

@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cluster.outputs import StreamOutput
 from engine.spans import TraceContext
 from engine.tokenizer import Tokenizer
 from router import choices
@@ -23,7 +23,7 @@ from router.echo import Echo
 from router.errors import APIError, as_api_error
 from router.prompt_tokens import PromptTokens
 from router.requests import ChatCompletionRequest, CompletionRequest
-from router.responses import Shape, sse, usage
+from router.responses import Shape, encoded_chunks, off_loop_if_large, sse, usage
 from router.trace import Trace
 
 CLIENT_GONE = 499  # nginx's "client closed request", for the log line and metrics
@@ -155,7 +155,7 @@ async def _serve_choices(
         many.close(gone_status=CLIENT_GONE)
         await many.wait_closed()
         return Response(status_code=CLIENT_GONE)
-    return EventStream(choices.events(many, shape, body.include_usage, output_chunks), many.close)
+    return EventStream(choices.events(many, shape, body.include_usage, encoded_chunks), many.close)
 
 
 def _echo(
@@ -200,9 +200,13 @@ async def _whole(d: Dispatcher, start: Awaitable[Run], shape: Shape, trace: Trac
         d.finish(trace)
         return Response(status_code=CLIENT_GONE)
     d.finish(trace)
-    counts = usage_of(trace)
-    body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
-    return JSONResponse(body, headers={"x-tandem-timing": json.dumps(trace.timing(), separators=(",", ":"))})
+    counts, timing = usage_of(trace), json.dumps(trace.timing(), separators=(",", ":"))
+
+    def respond() -> JSONResponse:
+        body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
+        return JSONResponse(body, headers={"x-tandem-timing": timing})
+
+    return await off_loop_if_large(len(entries), respond)
 
 
 async def _unless_gone(receive: Receive, start: Awaitable[Run]) -> Run | None:
@@ -252,11 +256,12 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
         if shape.kind == "chat":
             yield sse(shape.chunk("", role=True, include_usage=include_usage))
         async for out in run.outputs():
-            bodies, offset = output_chunks(shape, out, offset, include_usage)
-            if out.finished and out.finish_reason and not include_usage:
-                bodies[-1]["tandem"] = tandem()  # the timing breakdown rides on the last chunk
-            for body in bodies:
-                yield sse(body)
+            # the timing breakdown rides on the last chunk
+            last = tandem() if out.finished and out.finish_reason and not include_usage else None
+            encode = partial(encoded_chunks, shape, out, offset, include_usage, 0, last)
+            frames, offset = await off_loop_if_large(len(out.logprobs), encode)
+            for frame in frames:
+                yield frame
         if include_usage:
             yield sse({**shape.usage_chunk(usage_of(trace)), "tandem": tandem()})
         yield sse("[DONE]")
@@ -267,24 +272,6 @@ async def _events(d: Dispatcher, run: Run, shape: Shape, trace: Trace, include_u
         yield sse("[DONE]")
     finally:
         _end(d, run, trace)
-
-
-def output_chunks(
-    shape: Shape, out: StreamOutput, offset: int, include_usage: bool, index: int = 0
-) -> tuple[list[dict[str, Any]], int]:
-    """The stream chunks for one output of choice `index` (none, one, or two: a chat's text, then
-    its finish reason), and the choice's text offset after it."""
-    chat = shape.kind == "chat"
-    text = out.text
-    lp = shape.logprobs(out.logprobs, offset)
-    finish = out.finish_reason if out.finished else None
-    bodies = []
-    if chat and (text or lp):
-        bodies.append(shape.chunk(text, None, lp, include_usage=include_usage, index=index))
-    if finish or (not chat and (text or lp)):
-        bodies.append(shape.chunk(None if chat else text, finish, None if chat else lp,
-                                  include_usage=include_usage, index=index))  # fmt: skip
-    return bodies, offset + len(text)
 
 
 def usage_of(trace: Trace) -> dict[str, Any]:

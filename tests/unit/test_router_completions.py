@@ -6,14 +6,17 @@ lm-evaluation-harness sends it; a list of prompts, answered as choices (router/c
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from typing import Any
 
 import pytest
 
 from engine.grammar import Guide
 from engine.tokenizer import Tokenizer
-from tests.unit.fake_backend import FakeBackend, client, events
+from router.responses import OFF_LOOP_ENTRIES, off_loop_if_large
+from tests.unit.fake_backend import FakeBackend, client, events, worker
 
 COMPLETIONS = "/v1/completions"
 PROMPT = "The capital of France is"
@@ -137,3 +140,27 @@ def test_response_format_becomes_the_engines_guide(backend: FakeBackend) -> None
     r = c.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}, "min_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     assert len(backend.started) == 5, "nothing refused reached a worker"
+
+
+def test_a_long_echo_is_shaped_off_the_event_loop_and_reads_the_same(smollm_tokenizer: Tokenizer) -> None:
+    """Past OFF_LOOP_ENTRIES logprob entries a body is built on a thread (router/responses.py):
+    the same body, whole or streamed."""
+    threads: list[str] = []
+
+    def build() -> int:
+        threads.append(threading.current_thread().name)
+        return 1
+
+    assert asyncio.run(off_loop_if_large(OFF_LOOP_ENTRIES, build)) == 1
+    assert asyncio.run(off_loop_if_large(OFF_LOOP_ENTRIES + 1, build)) == 1
+    assert threads[0] == "MainThread" and threads[1] != "MainThread"
+    roomy = {"free_blocks": 512, "num_blocks": 512}
+    backend = FakeBackend(smollm_tokenizer, 4096, [worker("p0", "prefill", **roomy), worker("d0", "decode", **roomy)])
+    ids = list(range(1000, 1000 + 1500))  # 1,500 prompt tokens: that many entries in the first chunk
+    ask = {"model": "fake-model", "prompt": ids, "max_tokens": 3, "echo": True, "logprobs": 2}
+    whole = client(backend).post(COMPLETIONS, json=ask).json()["choices"][0]
+    assert len(whole["logprobs"]["tokens"]) == 1503 and whole["logprobs"]["token_logprobs"][1] == -1.5
+    chunks = [c for c in events(client(backend).post(COMPLETIONS, json={**ask, "stream": True}).text) if c["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == whole["logprobs"]["token_logprobs"]
