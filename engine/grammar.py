@@ -1,5 +1,6 @@
-"""Structured output (OpenAI's `response_format`: `json_object`, `json_schema`): a guided request
-samples, at each step, only tokens its grammar allows there.
+"""Structured output (OpenAI's `response_format`: `json_object`, `json_schema`; vLLM's
+`guided_json`, `guided_regex`, `guided_choice`): a guided request samples, at each step, only
+tokens its grammar allows there.
 
 xgrammar (PyPI) does the grammar work: it compiles a JSON schema (`{"type": "object"}` for
 `json_object`) against the tokenizer's vocabulary, and a request's matcher (a pushdown automaton) gives the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,28 +34,37 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_SCHEMA_CHARS = 64 * 1024
+MAX_SPEC_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
 class Guide:
-    """What a guided request's output must be: a JSON object ("json", OpenAI's `json_object`)
-    or JSON that a schema accepts ("json_schema"; `schema` is its JSON text). Either is written
-    compact, with ", " and ": " between items, as `json.dumps` writes it."""
+    """What a guided request's output must be: a JSON object ("json", OpenAI's `json_object`),
+    JSON that a schema accepts ("json_schema"; `spec` is the schema's JSON text), or text that a
+    regular expression matches whole ("regex"; `spec` is the pattern, xgrammar's dialect, as
+    vLLM's `guided_regex` and `guided_choice`). JSON is written compact, with ", " and ": "
+    between items, as `json.dumps` writes it."""
 
-    kind: Literal["json", "json_schema"]
-    schema: str = ""
+    kind: Literal["json", "json_schema", "regex"]
+    spec: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json", "json_schema"):
-            raise InvalidRequestError(f"unknown guide {self.kind!r}: json or json_schema", "response_format")
+        if self.kind not in ("json", "json_schema", "regex"):
+            raise InvalidRequestError(f"unknown guide {self.kind!r}: json, json_schema or regex", "response_format")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(f"the {self.kind} guide is over {MAX_SPEC_CHARS} characters", "response_format")
         if self.kind == "json_schema":
-            if len(self.schema) > MAX_SCHEMA_CHARS:
-                raise InvalidRequestError(f"the JSON schema is over {MAX_SCHEMA_CHARS} characters", "response_format")
             try:
-                json.loads(self.schema)
+                json.loads(self.spec)
             except ValueError as e:
                 raise InvalidRequestError(f"the JSON schema is not JSON: {e}", "response_format") from None
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Guide:
+        """Exactly one of `options` (vLLM's `guided_choice`)."""
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequestError("guided_choice needs a list of non-empty strings", "guided_choice")
+        return cls("regex", "|".join(f"({re.escape(o)})" for o in options))
 
 
 class Grammars:
@@ -77,11 +88,16 @@ class Grammars:
         of 0.6-35K characters here, then under 1 ms), so a worker compiles it before it takes the
         engine's lock (`Engine.prepare`), not while every stream waits. Raises InvalidRequestError."""
         compiler = self._compiler or self._new_compiler()
-        schema = guide.schema if guide.kind == "json_schema" else '{"type": "object"}'
-        try:  # whitespace only in the separators: a free run of it is where small models loop
+        try:
+            if guide.kind == "regex":
+                return compiler.compile_regex(guide.spec)
+            schema = guide.spec if guide.kind == "json_schema" else '{"type": "object"}'
+            # whitespace only in the separators: a free run of it is where small models loop
             return compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
-        except Exception as e:  # xgrammar raises RuntimeError (or its own) on a schema it cannot use
-            raise InvalidRequestError(f"the JSON schema cannot be used: {str(e)[:300]}", "response_format") from None
+        except Exception as e:  # xgrammar raises RuntimeError (or its own) on what it cannot use
+            raise InvalidRequestError(
+                f"the {guide.kind} guide cannot be used: {str(e)[:300]}", "response_format"
+            ) from None
 
     def _new_compiler(self) -> Any:
         if self._tokenizer is None:

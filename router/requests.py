@@ -73,6 +73,11 @@ class _Common(StrictBody):
     speculate: bool = True  # extension: false opts this request out of speculative decoding
     # text, json_object or json_schema (engine/grammar.py); a completion's too, as vLLM takes it
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # extensions (vLLM's): one guide at most
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM's): these end the answer too
+    skip_special_tokens: bool = True  # extension (vLLM's): special tokens out of the text
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -122,7 +127,7 @@ class _Common(StrictBody):
                 "max_tokens",
             )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else self._default_max(default_max, limit - prompt_len),
             temperature=self.temperature,
             top_p=self.top_p,
@@ -141,8 +146,12 @@ class _Common(StrictBody):
             logit_bias=self._bias(model.tokenizer.vocab_size),
             min_tokens=self.min_tokens,
             prompt_logprobs=self.prompt_logprobs,
-            guide=guide_of(self.response_format),
+            guide=guide_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            skip_special_tokens=self.skip_special_tokens,
         )
+        params.validate_for_vocab(model.tokenizer.vocab_size)  # stop token ids here, not on a worker
+        return params
 
     def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; APIError (400) for a key that is not a token id

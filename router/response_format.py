@@ -1,4 +1,6 @@
-"""OpenAI's `response_format` as the engine's Guide (structured output, engine/grammar.py)."""
+"""What a request asks its answer to be, as the engine's Guide (structured output,
+engine/grammar.py): OpenAI's `response_format`, or one of vLLM's `guided_json`, `guided_regex`
+and `guided_choice`."""
 
 from __future__ import annotations
 
@@ -9,12 +11,29 @@ from engine.grammar import Guide
 from router.errors import APIError
 
 
-def guide_of(response_format: dict[str, Any] | None) -> Guide | None:
-    """{"type": "text"} or none: None; "json_object": any JSON object; "json_schema": JSON that
-    `json_schema.schema` accepts (its `name` and `strict` are OpenAI's labels: the schema is
-    always enforced). APIError (400) for another type or a missing schema."""
+def guide_of(
+    response_format: dict[str, Any] | None,
+    guided_json: dict[str, Any] | str | None = None,
+    guided_regex: str | None = None,
+    guided_choice: list[str] | None = None,
+) -> Guide | None:
+    """`response_format` {"type": "text"} or none: None; "json_object": any JSON object;
+    "json_schema": JSON that `json_schema.schema` accepts (its `name` and `strict` are OpenAI's
+    labels: the schema is always enforced). Or vLLM's: JSON of a schema (a dict or its text),
+    text a regular expression matches, one of a list of strings. APIError (400) for another
+    type, a missing schema, or two of them."""
+    vllm = {"guided_json": guided_json, "guided_regex": guided_regex, "guided_choice": guided_choice}
+    asked = [k for k, v in vllm.items() if v is not None]
     fmt = response_format or {}
     kind = fmt.get("type", "text")
+    if len(asked) + (kind != "text") > 1:
+        raise APIError(400, "ask for one of response_format, guided_json, guided_regex, guided_choice", param=asked[-1])
+    if guided_json is not None:
+        return Guide("json_schema", guided_json if isinstance(guided_json, str) else json.dumps(guided_json))
+    if guided_regex is not None:
+        return Guide("regex", guided_regex)
+    if guided_choice is not None:
+        return Guide.choice(guided_choice)
     if kind == "text":
         return None
     if kind == "json_object":

@@ -5,6 +5,7 @@ that the schema accepts, and the engine's checks refuse what cannot be guided.""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -107,3 +108,19 @@ def test_a_worker_compiles_before_it_takes_the_engine_lock(tiny_model: LlamaMode
         engine.add_request("r", [1, 2, 3], guided)
     engine.check_integrity()
     assert engine.kv.num_free_blocks == 16 and not engine.has_unfinished()
+
+
+def test_a_regex_or_a_choice_is_matched_whole(smollm_tokenizer: Tokenizer) -> None:
+    """vLLM's guided_regex and guided_choice: random logits spell what the pattern matches."""
+    tok = smollm_tokenizer
+    grammars = Grammars(tok, tok.vocab_size)
+    greedy = SamplingParams(temperature=0)
+    for seed in (1, 2):
+        text = guided_text(tok, grammars, Guide("regex", r"[A-Z]{3}-[0-9]{2,4}"), greedy, seed)
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{2,4}", text), text
+        options = ["yes", "no", "not sure (a.b)"]
+        assert guided_text(tok, grammars, Guide.choice(options), greedy, seed) in options
+    with pytest.raises(InvalidRequestError, match="guided_choice"):
+        Guide.choice([])
+    with pytest.raises(InvalidRequestError, match="cannot be used"):
+        grammars.matcher(Guide("regex", "(unclosed"))

@@ -164,3 +164,23 @@ def test_a_long_echo_is_shaped_off_the_event_loop_and_reads_the_same(smollm_toke
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
     streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == whole["logprobs"]["token_logprobs"]
+
+
+def test_vllms_guides_stop_token_ids_and_special_tokens(backend: FakeBackend) -> None:
+    c = client(backend)
+    ask = {"model": "fake-model", "prompt": "Is it?", "max_tokens": 2}
+    schema = {"type": "object"}
+    extras: list[dict[str, Any]] = [{"guided_json": schema}, {"guided_json": json.dumps(schema)}]
+    extras += [{"guided_regex": "a+"}, {"guided_choice": ["yes", "no"]}]
+    for extra in [*extras, {"stop_token_ids": [7, 9], "skip_special_tokens": False}]:
+        assert c.post(COMPLETIONS, json={**ask, **extra}).status_code == 200, extra
+    p = backend.params
+    assert p[0].guide == p[1].guide == Guide("json_schema", json.dumps(schema))
+    assert p[2].guide == Guide("regex", "a+") and p[3].guide == Guide("regex", "(yes)|(no)")
+    assert p[4].stop_token_ids == (7, 9) and not p[4].skip_special_tokens and p[4].guide is None
+    both = {"guided_regex": "a", "response_format": {"type": "json_object"}}
+    for bad, param in ((both, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+                       ({"stop_token_ids": [10**6]}, "stop_token_ids")):  # fmt: skip
+        r = c.post(COMPLETIONS, json={**ask, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert len(backend.started) == 5
