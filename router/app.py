@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router import admin, console_api, errors, openai_api, tracing
+from router import admin, console_api, errors, openai_api, tokenize_api, tracing
 from router.backend import Backend
 from router.dispatch import Dispatcher
 from router.metrics import Metrics
@@ -109,6 +109,7 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so every answer above carries the id
     app.include_router(openai_api.build(dispatcher))
+    app.include_router(tokenize_api.build(backend.model, settings))
     app.include_router(admin.build(backend, settings))
     console_api.install(app, dispatcher, backend)
     app.state.dispatcher = dispatcher  # for operators' introspection; handlers use closures

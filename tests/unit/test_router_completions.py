@@ -184,3 +184,28 @@ def test_vllms_guides_stop_token_ids_and_special_tokens(backend: FakeBackend) ->
         r = c.post(COMPLETIONS, json={**ask, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert len(backend.started) == 5
+
+
+def test_tokenize_and_detokenize_as_the_prompt_is_served(backend: FakeBackend) -> None:
+    tok = backend.tokenizer
+    c = client(backend, api_keys=("k1",))
+    auth = {"Authorization": "Bearer k1"}
+    assert c.post("/tokenize", json={"model": "fake-model", "prompt": PROMPT}).status_code == 401
+    r = c.post("/tokenize", json={"model": "fake-model", "prompt": PROMPT}, headers=auth).json()
+    assert r == {"tokens": tok.encode(PROMPT), "count": len(tok.encode(PROMPT)), "max_model_len": 512}
+    chat = [{"role": "user", "content": "Hello"}]
+    r = c.post("/tokenize", json={"model": "fake-model", "messages": chat}, headers=auth).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(chat)), "as /v1/chat/completions serves it"
+    back = c.post("/detokenize", json={"model": "fake-model", "tokens": r["tokens"]}, headers=auth).json()
+    assert back == {"prompt": tok.apply_chat_template(chat)}
+    for path, body, status, param in (
+        ("/tokenize", {"model": "fake-model"}, 400, "prompt"),
+        ("/tokenize", {"model": "fake-model", "prompt": "a", "messages": chat}, 400, "prompt"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+        ("/detokenize", {"model": "fake-model", "tokens": [-1]}, 400, "tokens"),
+    ):
+        r = c.post(path, json=body, headers=auth)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    long = c.post("/tokenize", json={"model": "fake-model", "prompt": "x " * 600}, headers=auth).json()
+    assert long["count"] > long["max_model_len"], "counted, for the client to compare"
+    assert backend.started == [], "no worker is asked"

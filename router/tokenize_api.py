@@ -1,0 +1,72 @@
+"""`POST /tokenize` and `POST /detokenize` (vLLM's): the model's token ids for a prompt or a chat
+(through its template, as /v1/chat/completions serves it), and the text of token ids. Clients
+count tokens with them before they send, and scorers line up prompt logprobs against them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from router.auth import api_key_check
+from router.backend import ModelInfo
+from router.errors import APIError, as_api_error
+from router.requests import ChatCompletionRequest, CompletionRequest, Message, StrictBody
+from router.settings import RouterSettings
+
+INLINE_CHARS = 2048  # longer texts tokenize on a thread, off the event loop
+
+
+class TokenizeBody(StrictBody):
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[Message] | None = None
+
+
+class DetokenizeBody(StrictBody):
+    model: str
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+def build(model: ModelInfo, settings: RouterSettings) -> APIRouter:
+    api = APIRouter(dependencies=[Depends(api_key_check(settings))])
+    name = settings.model_name or model.name
+
+    def check(requested: str) -> None:
+        if requested != name:
+            raise APIError(404, f"The model `{requested}` does not exist", param="model", code="model_not_found")
+
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> JSONResponse:
+        """The ids a completion's prompt or a chat's messages are served as, however many (400
+        for what the template or the tokenizer refuses; 413 for a text that must be over the
+        context, before it is tokenized)."""
+        check(body.model)
+        prompt, messages = body.prompt, body.messages
+        if (prompt is None) == (messages is None):
+            raise APIError(400, "send a prompt or messages", param="prompt")
+
+        def ids() -> list[int]:
+            if messages is not None:
+                return ChatCompletionRequest(model=body.model, messages=messages).prompt_tokens(model).ids
+            assert prompt is not None
+            return CompletionRequest(model=body.model, prompt=prompt).prompt_tokens(model)[0].ids
+
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(str(m.content)) for m in messages or ())
+        try:
+            tokens = ids() if chars <= INLINE_CHARS else await asyncio.to_thread(ids)
+        except Exception as e:  # the template's or the tokenizer's refusal, as the API answers it
+            return as_api_error(e, settings.retry_after_s).response()
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len})
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict[str, str]:
+        check(body.model)
+        vocab = model.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return api
