@@ -57,18 +57,17 @@ def test_a_guided_answer_is_json_of_its_schema_however_it_runs(engine_fp32: Engi
     e = engine_fp32
     assert e.tokenizer is not None
     prompts = chats(e)[:2]
-    for prompt in prompts:
-        for params in PARAMS:
-            whole = e.generate([prompt], params)[0]
-            value = json.loads(whole.text)
-            assert set(value) == {"answer", "confident"} and whole.finish_reason == "stop", whole.text
-            ids = e.tokenizer.encode(prompt)
-            for cut in (1, 6):  # a replay carries the tokens sent; its matcher has read them
-                rest = replace(params, max_tokens=params.max_tokens - cut, output_offset=cut)
-                replay = e.generate([ids + whole.token_ids[:cut]], rest)[0]
-                assert whole.token_ids[:cut] + replay.token_ids == whole.token_ids, (cut, params)
-            assert pd_split(e, prompt, params) == whole.token_ids
-            e.check_integrity()
+    for prompt, params in zip(prompts, PARAMS, strict=True):  # greedy, then seeded
+        whole = e.generate([prompt], params)[0]
+        value = json.loads(whole.text)
+        assert set(value) == {"answer", "confident"} and whole.finish_reason == "stop", whole.text
+        ids = e.tokenizer.encode(prompt)
+        cut = 5  # a replay carries the tokens sent; its matcher has read them
+        rest = replace(params, max_tokens=params.max_tokens - cut, output_offset=cut)
+        replay = e.generate([ids + whole.token_ids[:cut]], rest)[0]
+        assert whole.token_ids[:cut] + replay.token_ids == whole.token_ids, params
+        assert pd_split(e, prompt, params) == whole.token_ids
+        e.check_integrity()
     plain = [c.token_ids for c in e.generate(prompts * 2, PARAMS[0])]
     tight = Engine(e.model, e.tokenizer, EngineConfig(dtype="fp32", num_blocks=8, block_size=16))
     got, preempted = run_short_of_blocks(tight, prompts * 2, PARAMS[0])
