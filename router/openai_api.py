@@ -65,11 +65,18 @@ def build(d: Dispatcher) -> APIRouter:
     model = d.backend.model
     name = d.settings.model_name or model.name
 
+    card = {"id": name, "object": "model", "created": model.created, "owned_by": "tandem",
+            "max_model_len": model.max_model_len}  # fmt: skip
+
     @api.get("/models")
     async def models() -> dict[str, Any]:
-        card = {"id": name, "object": "model", "created": model.created, "owned_by": "tandem",
-                "max_model_len": model.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
+
+    @api.get("/models/{model_id:path}")  # the SDK's models.retrieve (an id may hold a "/")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        if model_id != name:
+            raise APIError(404, f"The model `{model_id}` does not exist", param="model", code="model_not_found")
+        return card
 
     @api.post("/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

@@ -113,7 +113,7 @@ def up(url: str, role: str) -> int:
 
 
 def test_openai_sdk_chat_and_completions(sdk: openai.OpenAI, model: str) -> None:
-    assert [m.id for m in sdk.models.list()] == [model]
+    assert [m.id for m in sdk.models.list()] == [model] and sdk.models.retrieve(model).id == model
     whole = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
     text = whole.choices[0].message.content
     assert text and whole.choices[0].finish_reason in ("stop", "length")

@@ -89,6 +89,9 @@ def test_completions_whole_stream_token_ids_and_logprobs(backend: FakeBackend) -
 def test_models_health_ready(backend: FakeBackend) -> None:
     c = client(backend)
     assert c.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    assert c.get("/v1/models/fake-model").json() == c.get("/v1/models").json()["data"][0]
+    missing = c.get("/v1/models/org/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert c.get("/health").json() == {"status": "ok"}
     assert c.get("/ready").status_code == 200
     backend.workers = [worker("p0", "prefill")]
