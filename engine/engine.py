@@ -23,7 +23,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import GraphedDecode
-from engine.detokenizer import IncrementalDetokenizer
+from engine.emitter import Emitter
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from engine.grammar import Grammars
 from engine.kv_budget import cache_blocks
@@ -74,7 +74,6 @@ class Engine:
             self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=num_blocks)
         self.speculator = speculator_for(config, self.kv, self.max_model_len)
         self.grammars = Grammars(tokenizer, model.config.vocab_size)  # structured output
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()
         self._reserved: set[str] = set()
@@ -85,6 +84,7 @@ class Engine:
         eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
         self._eos_ids: frozenset[int] = frozenset(eos)
         self.runner.eos_ids = self._eos_ids
+        self.emitter = Emitter(tokenizer, self._eos_ids, self.max_model_len)  # a token's effects on its request
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -126,7 +126,7 @@ class Engine:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
-            self._detok.pop(request_id, None)
+            self.emitter.close(request_id)
             return True
         return self.release(request_id)
 
@@ -251,7 +251,7 @@ class Engine:
         holders = sum(self.kv.has_request(r) for r in self.scheduler.requests)
         expected = holders + len(self._handoffs) + len(self._reserved)
         assert self.kv.num_requests == expected, f"{self.kv.num_requests} block tables, {expected} owners"
-        assert set(self._detok) <= set(self.scheduler.requests), "detokenizer state for a finished request"
+        assert self.emitter.open_ids() <= set(self.scheduler.requests), "detokenizer state for a finished request"
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -271,64 +271,28 @@ class Engine:
             req.grammar = self.grammars.matcher(params.guide)
             if not all(req.grammar.accept_token(t) for t in ids[len(ids) - params.output_offset :]):
                 raise InvalidRequestError("the tokens carried do not follow the grammar", "response_format")
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens
-            )
+        self.emitter.open(req)
         return req
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        req.token_ids.append(token)
-        p = req.params
-        detok = self._detok.get(req.request_id)
-        text = ""
-        reason: str | None = None
-        if (
-            token in p.stop_token_ids
-            or (not p.ignore_eos and token in self._eos_ids)
-            or (req.grammar is not None and not _follows(req, token))
-        ):
-            reason = "stop"
-        elif detok is not None:
-            text = detok.step([token], stops=req.num_output_tokens + p.output_offset >= p.min_tokens)
-            if detok.stop_hit is not None:
-                reason = "stop"
-        if reason is None and (req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        scored: tuple[TokenLogprob, ...] = ()
-        if req.prompt_logprobs:  # computed with the first token, sent with it (engine/prompt_logprobs.py)
-            scored, req.prompt_logprobs = req.scored_prompt(), []
+        e = self.emitter.emit(req, token)
         handoff = None
-        if reason is None and req.hands_off:
-            reason = "prefill_done"
+        if e.reason == "prefill_done":  # its blocks stay held for the transfer
             handoff = KVHandoff(self.kv.block_table(req.request_id), req.num_prompt_tokens)
-        if reason is not None:
-            if detok is not None and detok.stop_hit is None:
-                text += detok.flush()
-            self._detok.pop(req.request_id, None)
-            self.scheduler.finish(req, reason, free_blocks=handoff is None)
-            if handoff is not None:
-                self._handoffs.add(req.request_id)
+            self._handoffs.add(req.request_id)
+        if e.reason is not None:
+            self.scheduler.finish(req, e.reason, free_blocks=handoff is None)
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[token],
-            new_text=text,
-            finished=reason is not None,
-            finish_reason=reason,
+            new_text=e.text,
+            finished=e.reason is not None,
+            finish_reason=e.reason,
             logprobs=[logprob] if logprob is not None else [],
-            prompt_logprobs=scored,
+            prompt_logprobs=e.prompt_logprobs,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             kv=handoff,
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
         )
-
-
-def _follows(req: Request, token: int) -> bool:
-    """Advance a guided request's matcher by `token`: False once its grammar is complete (the
-    token ended it), or where the token breaks it, which its sampling mask rules out."""
-    if not req.grammar.accept_token(token):
-        log.warning("request %s: token %d does not follow its grammar; stopping it", req.request_id, token)
-        return False
-    return not req.grammar.is_terminated()
