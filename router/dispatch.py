@@ -58,14 +58,12 @@ class Run:
         """The backend's outputs until one is finished. Raises StreamEndedError, or what the backend raised."""
         trace, m = self._trace, self._d.metrics
         while True:
-            first = self._first is not None
-            if self._first is not None:
-                out, self._first = self._first, None
-            else:
-                nxt = await self._pump.next()
-                if nxt is None:
+            out, self._first = self._first, None
+            first = out is not None
+            if out is None:
+                out = await self._pump.next()
+                if out is None:
                     raise StreamEndedError("the worker's token stream ended early")
-                out = nxt
                 now = time.monotonic()
                 n = len(out.token_ids)
                 if n:
