@@ -9,7 +9,9 @@ one boolean tensor for the sampler (engine/sampler.py), which keeps a row's logp
 model's, as it does under penalties. The engine advances a request's matcher with each token it
 emits (and, for a replay, with the tokens it carries): a guided answer ends with "stop" where
 its grammar is complete, and where the model picks an end-of-sequence token, which the grammar
-allows only there. A guided request verifies no draft (engine/speculation.py).
+allows only there. A guided request's speculative draft is cut to its grammatical prefix
+(`grammatical`), and each position of it samples under the mask of the state after the draft
+tokens before it, so speculation keeps a guided answer exact (engine/speculation.py).
 
 xgrammar is installed without its declared dependencies (Makefile): triton serves its CUDA
 kernels, and nothing here uses them. Without it a guided request is refused
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -64,7 +65,16 @@ class Guide:
         """Exactly one of `options` (vLLM's `guided_choice`)."""
         if not options or not all(isinstance(o, str) and o for o in options):
             raise InvalidRequestError("guided_choice needs a list of non-empty strings", "guided_choice")
-        return cls("regex", "|".join(f"({re.escape(o)})" for o in options))
+        return cls("regex", "|".join(f"({_escaped(o)})" for o in options))
+
+
+def _escaped(text: str) -> str:
+    """`text` as a regular expression that matches it (xgrammar's dialect: only its special
+    characters escaped; it warns on others, as on Python's escaped spaces)."""
+    return "".join("\\" + c if c in _SPECIAL else c for c in text)
+
+
+_SPECIAL = frozenset("\\.^$*+?()[]{}|")
 
 
 class Grammars:
@@ -118,9 +128,27 @@ class Grammars:
         return self._compiler
 
 
-def allowed_tokens(matchers: Sequence[Any], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+def grammatical(matcher: Any, draft: Sequence[int]) -> tuple[int, ...]:
+    """The longest prefix of `draft` that `matcher`'s grammar allows from where it is, up to and
+    including a token that completes it; the matcher is left where it was."""
+    n = 0
+    for token in draft:
+        if not matcher.accept_token(token):
+            break
+        n += 1
+        if matcher.is_terminated():
+            break
+    matcher.rollback(n)
+    return tuple(draft[:n])
+
+
+def allowed_tokens(
+    matchers: Sequence[Any], vocab_size: int, device: torch.device, drafted: Sequence[Sequence[int]] = ()
+) -> torch.Tensor | None:
     """bool [len(matchers), vocab_size]: the tokens each row may sample next, every token where
-    its matcher is None; None where no row is guided."""
+    its matcher is None; None where no row is guided. Row i samples after `drafted[i]` (a
+    speculative draft's tokens before its position, engine/speculation.py: grammatical ones),
+    which its matcher takes in and gives back around the fill."""
     if all(m is None for m in matchers):
         return None
     import xgrammar
@@ -128,7 +156,11 @@ def allowed_tokens(matchers: Sequence[Any], vocab_size: int, device: torch.devic
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)  # int32 [B, ceil(V / 32)], all set
     for i, m in enumerate(matchers):
         if m is not None:
+            before = drafted[i] if drafted else ()
+            for token in before:
+                m.accept_token(token)
             m.fill_next_token_bitmask(bitmask, i)
+            m.rollback(len(before))
     bits = torch.arange(32, dtype=torch.int32)
     unpacked = (bitmask.unsqueeze(-1) >> bits) & 1  # [B, W, 32]: bit j of word w is token 32 w + j
     return unpacked.flatten(1)[:, :vocab_size].bool().to(device)

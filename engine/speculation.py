@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
+from engine.grammar import grammatical
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RequestOutput
 from engine.request import Request
@@ -145,8 +146,6 @@ class Speculator:
         for req in running:
             if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculate or not req.num_output_tokens:
                 continue  # not decoding: a prompt's last token is prefilled (ScheduledChunk.is_decode)
-            if req.grammar is not None:
-                continue  # guided (engine/grammar.py): a draft's positions would need its masks in turn
             t = self._tracked.get(req.request_id)
             if t is None:
                 t = self._tracked[req.request_id] = _Tracked(req, self._new_drafter())
@@ -163,6 +162,8 @@ class Speculator:
             if not draft.token_ids:
                 continue
             req.draft = draft.token_ids[: max(0, min(room, verify_len(trusted(draft, t.trust), rows)))]
+            if req.grammar is not None:  # structured output: what its grammar allows, no more
+                req.draft = grammatical(req.grammar, req.draft)
             if req.draft:
                 t.first_confidence = draft.confidence[0]
             else:

@@ -73,3 +73,27 @@ def test_a_guided_answer_is_json_of_its_schema_however_it_runs(engine_fp32: Engi
     got, preempted = run_short_of_blocks(tight, prompts * 2, PARAMS[0])
     assert preempted > 0 and got == plain
     assert tight.kv.num_free_blocks == tight.config.num_blocks
+
+
+def test_speculation_keeps_a_guided_answer_and_its_drafts_pay(engine_fp32: Engine) -> None:
+    """Drafts cut to what the grammar allows, each position sampled under the mask of the draft
+    before it: the tokens of speculation off, greedy and seeded, and drafts accepted (a list of
+    records repeats its keys, which prompt lookup drafts)."""
+    e = engine_fp32
+    people = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}  # fmt: skip
+    guide = Guide("json_schema", json.dumps(people))
+    assert e.tokenizer is not None
+    prompt = e.tokenizer.apply_chat_template([{"role": "user", "content": "List three people with their ages."}])
+    for params in (SamplingParams(max_tokens=80, temperature=0, guide=guide),
+                   SamplingParams(max_tokens=80, temperature=0.8, seed=4, guide=guide)):  # fmt: skip
+        plain = e.generate([prompt], params)[0]
+        assert len(json.loads(plain.text)) == 3 and plain.finish_reason == "stop", plain.text
+        for kind in ("ngram", "suffix"):
+            spec = sibling(e, num_blocks=64, speculative=kind)
+            assert spec.speculator is not None
+            drafted = spec.generate([prompt], params)[0]
+            assert drafted.token_ids == plain.token_ids, (kind, params)
+            assert spec.speculator.accepted > 0, "the records' keys are drafted and accepted"
+            spec.check_integrity()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.grammar import Grammars, Guide, allowed_tokens
+from engine.grammar import Grammars, Guide, allowed_tokens, grammatical
 from engine.model import LlamaModel
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -124,3 +124,22 @@ def test_a_regex_or_a_choice_is_matched_whole(smollm_tokenizer: Tokenizer) -> No
         Guide.choice([])
     with pytest.raises(InvalidRequestError, match="cannot be used"):
         grammars.matcher(Guide("regex", "(unclosed"))
+
+
+def test_a_draft_is_cut_to_its_grammar_and_each_position_masked_after_it(smollm_tokenizer: Tokenizer) -> None:
+    """Speculation (engine/speculation.py): `grammatical` keeps what the grammar allows and
+    leaves the matcher where it was; a row after k draft tokens gets the mask of that state."""
+    tok = smollm_tokenizer
+    grammars = Grammars(tok, tok.vocab_size)
+    matcher = grammars.matcher(Guide.choice(["yes please", "no thanks"]))
+    yes, please, no = tok.encode("yes")[0], tok.encode(" please")[0], tok.encode("no")[0]
+    assert grammatical(matcher, [yes, please, tok.eos_token_id, no]) == (yes, please, tok.eos_token_id)
+    assert grammatical(matcher, [no, please]) == (no,), "cut where it breaks"
+    assert not matcher.is_terminated() and matcher.accept_token(yes), "left where it was"
+    matcher = grammars.matcher(Guide.choice(["yes please", "no thanks"]))
+    masks = allowed_tokens([matcher, matcher], tok.vocab_size, torch.device("cpu"), [(), (yes,)])
+    assert masks is not None
+    fresh, after_yes = masks
+    assert fresh[yes] and fresh[no] and not fresh[please]
+    assert after_yes[please] and not after_yes[yes] and not after_yes[no]
+    assert matcher.accept_token(no), "given back after the fill"
