@@ -55,8 +55,10 @@ class ModelRunner:
         # and what it has seen: its tokens and the draft before it, which it needs accepted
         seen = [self._seen(c.request, c.draft[:i], at) if c.request.params.penalized else None
                 for (c, i), at in zip(rows, index, strict=True)]  # fmt: skip
-        matchers = [c.request.grammar for c, _ in rows]
-        allowed = allowed_tokens(matchers, logits.shape[1], logits.device, [c.draft[:i] for c, i in rows])
+        matchers = [c.request.grammar for c, _ in rows]  # structured output: a guided row's mask
+        allowed = None
+        if any(m is not None for m in matchers):
+            allowed = allowed_tokens(matchers, logits.shape[1], logits.device, [c.draft[:i] for c, i in rows])
         return self.sampler(logits, params, index, seen, allowed)
 
     def _seen(self, req: Request, draft: Sequence[int], answer_len: int) -> SeenTokens:
