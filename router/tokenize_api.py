@@ -5,6 +5,7 @@ count tokens with them before they send, and scorers line up prompt logprobs aga
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
@@ -16,7 +17,7 @@ from router.errors import APIError, as_api_error
 from router.requests import ChatCompletionRequest, CompletionRequest, Message, StrictBody
 from router.settings import RouterSettings
 
-INLINE_CHARS = 2048  # longer texts tokenize on a thread, off the event loop
+INLINE_CHARS = 2048  # longer texts (or id lists) are tokenized (decoded) on a thread, off the event loop
 
 
 class TokenizeBody(StrictBody):
@@ -67,6 +68,7 @@ def build(model: ModelInfo, settings: RouterSettings) -> APIRouter:
         vocab = model.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        text = partial(model.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        return {"prompt": text() if len(body.tokens) <= INLINE_CHARS else await asyncio.to_thread(text)}
 
     return api

@@ -209,3 +209,9 @@ def test_tokenize_and_detokenize_as_the_prompt_is_served(backend: FakeBackend) -
     long = c.post("/tokenize", json={"model": "fake-model", "prompt": "x " * 600}, headers=auth).json()
     assert long["count"] > long["max_model_len"], "counted, for the client to compare"
     assert backend.started == [], "no worker is asked"
+
+
+def test_a_long_id_list_detokenizes_off_the_event_loop(backend: FakeBackend) -> None:
+    ids = backend.tokenizer.encode(PROMPT) * 1000  # past the inline bound: decoded on a thread
+    r = client(backend).post("/detokenize", json={"model": "fake-model", "tokens": ids})
+    assert r.status_code == 200 and r.json()["prompt"] == PROMPT * 1000
