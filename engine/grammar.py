@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_SPEC_CHARS = 64 * 1024
+# what xgrammar puts before its reason: "[15:43:25] /project/cpp/regex_converter.cc:94: "
+_XGRAMMAR_SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,9 @@ class Grammars:
             # whitespace only in the separators: a free run of it is where small models loop
             return compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
         except Exception as e:  # xgrammar raises RuntimeError (or its own) on what it cannot use
+            why = _XGRAMMAR_SOURCE.sub("", (str(e).strip().splitlines() or [type(e).__name__])[0])
             raise InvalidRequestError(
-                f"the {guide.kind} guide cannot be used: {str(e)[:300]}", "response_format"
+                f"the {guide.kind} guide cannot be used: {why[:300]}", "response_format"
             ) from None
 
     def _new_compiler(self) -> Any:

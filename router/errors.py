@@ -170,10 +170,12 @@ def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
     if isinstance(e, APIError):
         return e
     retry = {"Retry-After": str(retry_after_s)}
-    if isinstance(e, PromptTooLongError):
-        return APIError(413, str(e), param=e.param or "messages", code="context_length_exceeded")
-    if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e), param=e.param)
+    if isinstance(e, InvalidRequestError):  # a worker's refusal comes as RayTaskError(Cause), whose text is Ray's dump
+        cause = getattr(e, "cause", None)
+        own = cause if isinstance(cause, InvalidRequestError) else e
+        if isinstance(own, PromptTooLongError):
+            return APIError(413, str(own), param=own.param or "messages", code="context_length_exceeded")
+        return APIError(400, str(own), param=own.param)
     if isinstance(e, Saturated):
         return APIError(429, f"the server is at capacity: {e}; retry later", code="rate_limit_exceeded", headers=retry)
     if isinstance(e, STATE_OUTAGE):

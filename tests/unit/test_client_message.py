@@ -16,10 +16,20 @@ from cluster.cluster import NoWorkerError
 from cluster.outputs import StreamOutput
 from cluster.routing import Route
 from cluster.state import StateUnavailable
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.app import create_app
-from router.errors import INTERNAL, MAX_MESSAGE, NO_WORKER, STATE_DOWN, WORKERS_FAILED, APIError, client_message
+from router.errors import (
+    INTERNAL,
+    MAX_MESSAGE,
+    NO_WORKER,
+    STATE_DOWN,
+    WORKERS_FAILED,
+    APIError,
+    as_api_error,
+    client_message,
+)
 from router.settings import RouterSettings
 from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, events
 
@@ -77,6 +87,17 @@ def test_client_message_caps_length_and_keeps_the_callers_default() -> None:
     assert client_message(KeyError("x"), INTERNAL) == INTERNAL
     assert client_message(NoWorkerError("\x1b[31mno worker\x1b[39m")) == NO_WORKER
     assert APIError(502, RAY_DUMP).message == INTERNAL and APIError(400, "a\nb").message == "a\nb"  # 5xx only
+
+
+def test_a_workers_refusal_is_answered_with_its_own_text() -> None:
+    """A request a worker refuses (a regex the grammar compiler rejects, a prompt over its
+    context) comes back as RayTaskError(Cause): the answer is the cause's message, not Ray's dump."""
+    why = "the regex guide cannot be used: the parenthesis is not closed"
+    refused = as_api_error(ray_task_error(InvalidRequestError(why, "response_format")))
+    assert (refused.status, refused.message, refused.param) == (400, why, "response_format")
+    too_long = as_api_error(ray_task_error(PromptTooLongError("the prompt is 9000 tokens", "prompt")))
+    assert (too_long.status, too_long.message, too_long.param) == (413, "the prompt is 9000 tokens", "prompt")
+    assert as_api_error(InvalidRequestError("bad", "n")).message == "bad"
 
 
 @dataclass
