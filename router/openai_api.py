@@ -117,7 +117,7 @@ async def _serve(
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = Shape(kind, prefix + rid, d.settings.model_name or model.name, model.tokenizer)
     try:
-        if body.model != (d.settings.model_name or model.name):
+        if body.model is not None and body.model != (d.settings.model_name or model.name):
             raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         body.check_supported()
         # a short prompt tokenizes in tens of microseconds: less than a hop to a thread and back

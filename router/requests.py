@@ -52,7 +52,7 @@ class _Common(StrictBody):
         `"temperature": null` for "not set"); a required one is then missing."""
         return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
-    model: str
+    model: str | None = None  # vLLM's and SGLang's reading: none sent is the served model
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

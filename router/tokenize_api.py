@@ -21,13 +21,13 @@ INLINE_CHARS = 2048  # longer texts (or id lists) are tokenized (decoded) on a t
 
 
 class TokenizeBody(StrictBody):
-    model: str
+    model: str | None = None  # none: the served model
     prompt: str | list[int] | None = None
     messages: list[Message] | None = None
 
 
 class DetokenizeBody(StrictBody):
-    model: str
+    model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
 
@@ -35,8 +35,8 @@ def build(model: ModelInfo, settings: RouterSettings) -> APIRouter:
     api = APIRouter(dependencies=[Depends(api_key_check(settings))])
     name = settings.model_name or model.name
 
-    def check(requested: str) -> None:
-        if requested != name:
+    def check(requested: str | None) -> None:
+        if requested is not None and requested != name:
             raise APIError(404, f"The model `{requested}` does not exist", param="model", code="model_not_found")
 
     @api.post("/tokenize")

@@ -102,7 +102,7 @@ TOO_MANY_BIASES = {str(t): 1 for t in range(1025)}  # engine.sampling_params.MAX
 BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, b'{"model": "fake-model", "messages": [', 400, None),
     (CHAT, b"", 400, None),
-    (CHAT, {"messages": HELLO}, 400, "model"),
+    (CHAT, {"model": 5, "messages": HELLO}, 400, "model"),
     (CHAT, {"model": "fake-model"}, 400, "messages"),
     (CHAT, {"model": "fake-model", "messages": "hi"}, 400, "messages"),
     (CHAT, {"model": "fake-model", "messages": []}, 400, "messages"),
@@ -230,7 +230,7 @@ def test_penalties_and_logit_bias_reach_the_backend_and_null_is_unset(backend: F
         assert (
             c.post(CHAT, json={"model": "fake-model", "messages": HELLO, "max_tokens": 2, **extra}).status_code == 200
         )
-    assert c.post(CHAT, json={"model": None, "messages": HELLO}).json()["error"]["param"] == "model"
+    assert c.post(CHAT, json={"model": 5, "messages": HELLO}).json()["error"]["param"] == "model"
     got, plain, left_out, null = backend.params
     assert null == left_out, "null is the default"
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)

@@ -16,7 +16,7 @@ import pytest
 from engine.grammar import Guide
 from engine.tokenizer import Tokenizer
 from router.responses import OFF_LOOP_ENTRIES, off_loop_if_large
-from tests.unit.fake_backend import FakeBackend, client, events, worker
+from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, events, worker
 
 COMPLETIONS = "/v1/completions"
 PROMPT = "The capital of France is"
@@ -215,3 +215,17 @@ def test_a_long_id_list_detokenizes_off_the_event_loop(backend: FakeBackend) -> 
     ids = backend.tokenizer.encode(PROMPT) * 1000  # past the inline bound: decoded on a thread
     r = client(backend).post("/detokenize", json={"model": "fake-model", "tokens": ids})
     assert r.status_code == 200 and r.json()["prompt"] == PROMPT * 1000
+
+
+def test_a_request_that_names_no_model_is_served_by_the_served_one(backend: FakeBackend) -> None:
+    """vLLM and SGLang read a missing (or null) `model` as the model they serve; clients written
+    against them omit it. A named model must still be the served one."""
+    c = client(backend)
+    chat = c.post(CHAT, json={"messages": HELLO, "max_tokens": 2}).json()
+    assert chat["model"] == "fake-model" and chat["usage"]["completion_tokens"] == 2
+    done = c.post("/v1/completions", json={"model": None, "prompt": PROMPT, "max_tokens": 2}).json()
+    assert done["model"] == "fake-model" and done["choices"][0]["text"]
+    ids = c.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert c.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+    other = c.post(CHAT, json={"model": "other", "messages": HELLO})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
