@@ -198,10 +198,19 @@ def admin_error(e: BaseException, retry_after_s: int) -> APIError:
     return APIError(503, message, code="cluster_error", headers={"Retry-After": str(retry_after_s)})
 
 
+def _fields(loc: Sequence[Any]) -> list[Any]:
+    """`loc` without where the value came from (body, query, ...) and without pydantic's tags
+    for union members ("str", "list[TextPart]", a model's class name): the field path a
+    client wrote."""
+    return [p for p in loc if isinstance(p, int) or not (p in _NOT_FIELDS or "[" in p or p[:1].isupper())]
+
+
+_NOT_FIELDS = frozenset({"body", "query", "path", "header", "str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def _param(loc: Sequence[Any]) -> str | None:
-    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
     out = ""
-    for p in parts:
+    for p in _fields(loc):
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or None
 
@@ -211,9 +220,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         return APIError(400, "we could not parse the JSON body of your request", code="invalid_json")
-    param = _param(first.get("loc", ()))
-    if first.get("type") == "missing" and param is None:
+    if first.get("type") == "missing" and _param(first.get("loc", ())) is None:
         return APIError(400, "the request body is missing", code="invalid_body")
+    # a value that fits no member of a union fails each member: the one that got deepest into
+    # the value says most (a chat content part of type "image_url": its `type`, not "a string")
+    first = max(errors, key=lambda e: len(_fields(e.get("loc", ()))))
+    param = _param(first.get("loc", ()))
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more)"

@@ -41,6 +41,25 @@ def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
     return FakeBackend(smollm_tokenizer)
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0].type", "'text'"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid string (and 1 more)"),
+        ({"messages": HELLO, "stop": 5}, "stop", "valid string (and 1 more)"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'assistant'"),
+        ({"messages": HELLO, "logit_bias": {"5": "x"}}, "logit_bias.5", "valid number"),
+    ],
+)  # fmt: skip
+def test_a_validation_error_names_the_field_the_client_wrote(
+    backend: FakeBackend, body: dict[str, Any], param: str, says: str
+) -> None:
+    """The error pydantic got deepest into the value with, without its tags for union members."""
+    err = assert_openai_error(client(backend).post(CHAT, json={"model": "fake-model", **body}), 400, "invalid_value")
+    assert err["param"] == param and err["message"].startswith(f"{param}: ") and says in err["message"], err
+
+
 def asgi_post(app: Any, headers: list[tuple[bytes, bytes]], chunks: Iterator[bytes]) -> tuple[list[Any], int]:
     """POST /v1/chat/completions over raw ASGI, the body pulled chunk by chunk; (messages sent, chunks read)."""
     sent: list[Any] = []
