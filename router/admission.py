@@ -54,7 +54,10 @@ class Admission:
         heapq.heappush(self._heap, entry)
         self._waiting[priority] += 1
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            # not asyncio.wait_for: on Python 3.11 it returns a grant that comes as the waiter is
+            # cancelled, and drops the cancellation (the request then ran for a client gone)
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(fut)
         except BaseException as e:
             if fut.done() and not fut.cancelled():  # granted just as we gave up: hand the slot on
                 self.release()

@@ -197,6 +197,27 @@ def test_admission_priority_order_and_bounds() -> None:
     assert asyncio.run(main()) == [1, 5, 5]
 
 
+def test_a_waiter_cancelled_as_its_slot_is_granted_gives_the_slot_back() -> None:
+    """The client leaves in the same turn of the loop that a release hands its queued request
+    the slot. Python 3.11's `asyncio.wait_for` returned the grant then and dropped the
+    cancellation: the request ran on for a client that was gone, and an n > 1 response's
+    choice held its slot (and its pump) for good."""
+
+    async def main() -> None:
+        adm = Admission(max_running=1, max_waiting=4, max_waiting_total=4)
+        assert await adm.acquire(0, 1.0) == 0.0
+        queued = asyncio.create_task(adm.acquire(0, 5.0))
+        await asyncio.sleep(0.01)
+        adm.release()  # granted ...
+        queued.cancel()  # ... and cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert (adm.running, adm.waiting) == (0, 0)
+        assert await adm.acquire(0, 0.01) == 0.0 and adm.running == 1, "the slot is free again"
+
+    asyncio.run(main())
+
+
 def test_the_running_bound_follows_the_pools_size() -> None:
     """Admission's bound read from a function at each acquire and release: waiters take the
     slots a bigger pool adds at once; a smaller one lets running requests finish first."""
