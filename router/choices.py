@@ -119,6 +119,9 @@ class Choices:
                 if not c.first:
                     await prefilled.wait()
                 c.run = await self._d.start(c.prompt.ids, c.params, c.trace, c.prompt.echo)
+                if self._closed:  # started as the response ended (a start may outlive its cancel)
+                    c.run.close()
+                    return
             prefilled.set()
             async for out in c.run.outputs():
                 await self._queue.put((c.index, out))

@@ -3,13 +3,23 @@ fake backend: their indices, seeds, usage, and every run closed and slot given b
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
 
 import pytest
 
+from cluster.outputs import StreamOutput
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from router.choices import Choices, Prompt
+from router.dispatch import Dispatcher, Run
+from router.echo import Echo
+from router.settings import RouterSettings
+from router.trace import Trace
 from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client, events
 
 
@@ -98,3 +108,57 @@ def test_a_failing_choice_fails_the_response_and_frees_every_slot(backend: FakeB
         assert "Traceback" not in r.text
     assert all_closed(backend)
     assert c.app.state.dispatcher.admission.running == 0  # type: ignore[attr-defined]
+
+
+class HeldRun:
+    """A run whose stream never ends: only `close()` ends it."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def outputs(self) -> AsyncIterator[StreamOutput]:
+        await asyncio.Event().wait()
+        yield cast(StreamOutput, None)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class LateStart:
+    """The Dispatcher boundary Choices calls (start, finish, settings), with a start that, once
+    its first choice is out, returns its run even when cancelled, as a start whose slot was
+    granted as it was cancelled could (Python 3.11's `asyncio.wait_for`)."""
+
+    settings = RouterSettings()
+
+    def __init__(self) -> None:
+        self.runs: list[HeldRun] = []
+        self.finished: list[Trace] = []
+
+    async def start(self, ids: Sequence[int], params: SamplingParams, trace: Trace, echo: Echo | None) -> Run:
+        run = HeldRun()
+        self.runs.append(run)
+        if len(self.runs) > 1:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+        return cast(Run, run)
+
+    def finish(self, trace: Trace) -> None:
+        self.finished.append(trace)
+
+
+def test_a_choice_that_starts_after_the_response_ended_is_closed() -> None:
+    """Every choice's run is closed once the response ends, a run its start returned after the
+    end included (it would hold its admission slot and its pump for good)."""
+
+    async def main() -> LateStart:
+        d = LateStart()
+        many = Choices(cast(Dispatcher, d), [Prompt([1, 2, 3], SamplingParams())], Trace("r", "chat", True), 3)
+        await many.start()
+        await asyncio.sleep(0.01)  # choices 1 and 2 are starting
+        many.close()  # the client left: the pumps are cancelled, and their starts return all the same
+        await asyncio.sleep(0.01)
+        return d
+
+    d = asyncio.run(main())
+    assert [r.closed >= 1 for r in d.runs] == [True] * 3 and len(d.finished) == 3
