@@ -133,15 +133,18 @@ class Grammars:
 
 
 def grammatical(matcher: Any, draft: Sequence[int]) -> tuple[int, ...]:
-    """The longest prefix of `draft` that `matcher`'s grammar allows from where it is, up to and
-    including a token that completes it; the matcher is left where it was."""
+    """The longest prefix of `draft` that `matcher`'s grammar allows from where it is, short of
+    a stop token that ends it: the row after the prefix samples that one (its mask allows
+    nothing else), where a row after it would ask a finished grammar for a mask, which fails the
+    whole step. The matcher is left where it was."""
     n = 0
     for token in draft:
         if not matcher.accept_token(token):
             break
-        n += 1
         if matcher.is_terminated():
+            matcher.rollback(1)
             break
+        n += 1
     matcher.rollback(n)
     return tuple(draft[:n])
 

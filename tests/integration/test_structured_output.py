@@ -95,5 +95,7 @@ def test_speculation_keeps_a_guided_answer_and_its_drafts_pay(engine_fp32: Engin
             assert spec.speculator is not None
             drafted = spec.generate([prompt], params)[0]
             assert drafted.token_ids == plain.token_ids, (kind, params)
+            # again: the worker's tree drafts the whole answer, its stop token included
+            assert spec.generate([prompt], params)[0].token_ids == plain.token_ids, (kind, params)
             assert spec.speculator.accepted > 0, "the records' keys are drafted and accepted"
             spec.check_integrity()

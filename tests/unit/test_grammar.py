@@ -135,13 +135,16 @@ def test_a_draft_is_cut_to_its_grammar_and_each_position_masked_after_it(smollm_
     grammars = Grammars(tok, tok.vocab_size)
     matcher = grammars.matcher(Guide.choice(["yes please", "no thanks"]))
     yes, please, no = tok.encode("yes")[0], tok.encode(" please")[0], tok.encode("no")[0]
-    assert grammatical(matcher, [yes, please, tok.eos_token_id, no]) == (yes, please, tok.eos_token_id)
+    # short of the stop token: the row after "please" samples it, and no row asks the finished grammar for a mask
+    assert grammatical(matcher, [yes, please, tok.eos_token_id, no]) == (yes, please)
     assert grammatical(matcher, [no, please]) == (no,), "cut where it breaks"
     assert not matcher.is_terminated() and matcher.accept_token(yes), "left where it was"
     matcher = grammars.matcher(Guide.choice(["yes please", "no thanks"]))
-    masks = allowed_tokens([matcher, matcher], tok.vocab_size, torch.device("cpu"), [(), (yes,)])
+    drafted = grammatical(matcher, [yes, please, tok.eos_token_id])
+    masks = allowed_tokens([matcher] * 3, tok.vocab_size, torch.device("cpu"), [drafted[:i] for i in range(3)])
     assert masks is not None
-    fresh, after_yes = masks
+    fresh, after_yes, done = masks
     assert fresh[yes] and fresh[no] and not fresh[please]
     assert after_yes[please] and not after_yes[yes] and not after_yes[no]
+    assert set(done.nonzero().flatten().tolist()) <= tok.stop_token_ids and done[tok.eos_token_id], "only the end"
     assert matcher.accept_token(no), "given back after the fill"
