@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -88,6 +89,7 @@ class Grammars:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: Any = None
+        self._building = threading.Lock()
 
     def matcher(self, guide: Guide) -> Any:
         """A fresh matcher for `guide`. Raises InvalidRequestError where it cannot be had: no
@@ -114,6 +116,15 @@ class Grammars:
             ) from None
 
     def _new_compiler(self) -> Any:
+        """Built once, by the first guided request, while any others that came with it wait: each
+        built its own (1-2 s of the GIL apiece, importing transformers and copying the tokenizer),
+        and a worker hit by a burst of them answered no ping for over 3 s and was given up for dead."""
+        with self._building:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+            return self._compiler
+
+    def _build_compiler(self) -> Any:
         if self._tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer, so no structured output", "response_format")
         try:
@@ -127,9 +138,8 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(
             hf, vocab_size=self._vocab_size, stop_token_ids=sorted(self._tokenizer.stop_token_ids)
         )
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         log.info("structured output: xgrammar compiler built (%s vocabulary)", info.vocab_type)
-        return self._compiler
+        return xgrammar.GrammarCompiler(info, max_threads=1)
 
 
 def grammatical(matcher: Any, draft: Sequence[int]) -> tuple[int, ...]:

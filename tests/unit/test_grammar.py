@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -94,6 +95,19 @@ def test_what_cannot_be_guided_is_refused(smollm_tokenizer: Tokenizer) -> None:
         Grammars(None, 128).matcher(Guide("json"))
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(guide=Guide("json"), min_tokens=3)
+
+
+def test_a_burst_of_first_guided_requests_builds_one_compiler(
+    smollm_tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The compiler (transformers' copy of the tokenizer, xgrammar's view of the vocabulary) is
+    built once, the requests that came with the first waiting for it, not once by each."""
+    grammars = Grammars(smollm_tokenizer, smollm_tokenizer.vocab_size)
+    guides = [Guide("json"), Guide.choice(["yes", "no"]), Guide("regex", "[0-9]+"), Guide("json")] * 2
+    with caplog.at_level("INFO", logger="engine.grammar"), ThreadPoolExecutor(len(guides)) as pool:
+        compiled = list(pool.map(grammars.compiled, guides))
+    assert all(c is not None for c in compiled)
+    assert sum("compiler built" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_worker_compiles_before_it_takes_the_engine_lock(tiny_model: LlamaModel) -> None:
