@@ -63,6 +63,12 @@ class DecodeWorker(WorkerBase):
     def release(self, request_id: str) -> bool:
         return self.receiver.release(request_id, None, "released by caller")
 
+    def abort(self, request_id: str) -> bool:
+        """Stop the request, whether it runs or still waits on its transfer (its reservation is
+        released through the receiver, which owns it)."""
+        released = self.receiver.release(request_id, None, "aborted by caller")
+        return super().abort(request_id) or released
+
     def renew(self, request_id: str, lease_s: float) -> bool:
         return self.receiver.renew(request_id, lease_s)
 

@@ -122,13 +122,17 @@ class Engine:
             self.grammars.compiled(params.guide)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks. False if the id is unknown."""
+        """Stop a request wherever it is and free its blocks (a prefill hand-off's too). False if
+        the id is unknown. A reservation is not a request: its owner (kv_transfer/receiver.py,
+        which leases it to a sender and fences it while one may write it in place) releases it;
+        freed here, behind its back, the lease outlived its blocks, which a late chunk could then
+        write under another request."""
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
             self.emitter.close(request_id)
             return True
-        return self.release(request_id)
+        return request_id in self._handoffs and self.release(request_id)
 
     def release(self, request_id: str) -> bool:
         """Free a prefill hand-off or a reservation that was never admitted."""

@@ -237,6 +237,19 @@ def test_abort_from_the_sender_frees_the_reservation(pair: Pair) -> None:
     client.close()
 
 
+def test_an_engine_abort_leaves_a_reservation_to_the_receiver(pair: Pair) -> None:
+    """An abort that reaches the engine before the router's release (they ride different lanes
+    of the worker) freed a leased reservation's blocks behind the receiver: the lease outlived
+    its blocks, which a late chunk could then write under another request."""
+    pair.receiver.reserve("r", 8)
+    with pair.lock:
+        assert not pair.decode.abort("r"), "a reservation is not a request"
+    pair.receiver.check_integrity()  # the lease still holds its blocks
+    assert pair.receiver.release("r", None, "released by caller")
+    assert pair.decode.kv.num_free_blocks == 256 and "r" not in pair.receiver.table
+    pair.receiver.check_integrity()
+
+
 def test_no_free_blocks_is_a_typed_error(pair: Pair) -> None:
     client = pair.client()
     client.reserve("a", 500)

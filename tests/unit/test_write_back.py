@@ -126,6 +126,18 @@ def test_a_failed_write_back_frees_both_sides(workers: Workers) -> None:
     check(p, d)
 
 
+def test_a_decode_workers_abort_releases_a_reservation_through_its_receiver(workers: Workers) -> None:
+    """What the router's abort of a request still in transfer does on the decode worker: its
+    lease and its blocks go together."""
+    _, dw, _ = workers
+    free = dw.engine.kv.num_free_blocks
+    dw.reserve("in-transfer", 20)
+    assert dw.engine.kv.num_free_blocks < free
+    assert dw.abort("in-transfer") and "in-transfer" not in dw.receiver.table
+    assert dw.engine.kv.num_free_blocks == free and not dw.abort("in-transfer")
+    dw.check_integrity()
+
+
 def test_reserve_uncached_holds_nothing_when_blocks_run_out() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.reserve_uncached("a", [1, 2, 3, 4])
