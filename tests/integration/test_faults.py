@@ -9,12 +9,14 @@ router's ledger (Chaos.held_after_idle).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import logging
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from bench.chaos_control import manager_kill, redis_kill, second_router
@@ -23,7 +25,9 @@ from bench.chaos_scenarios import decode_kill, decode_stop, disconnects, only_de
 from bench.harness import running_cluster, serving, unique_namespace
 from cluster.cluster import Cluster, ClusterConfig
 from cluster.manager_link import CannotJoinError
+from tests.integration.burst import burst
 from tests.integration.serving import serving_engine
+from tests.integration.waits import until
 
 MAX_TOKENS = 32
 
@@ -143,3 +147,21 @@ def test_client_disconnects_free_everything(chaos: Chaos) -> None:
     assert r.facts["hung_up_in_prefill"], "the client hung up before its first token"
     assert r.facts["queued_slot_freed_s"] < 1.0 and r.facts["prefill_blocks_freed_s"] < 1.0, r.facts
     assert not [m for m in records.messages if "Unhandled error" in m], records.messages
+
+
+def test_a_mixed_burst_with_clients_leaving_leaves_nothing_behind(chaos: Chaos) -> None:
+    """Streamed and whole, n of 1-3, guided answers (each guide twice and more, so the worker's
+    tree drafts a whole one), echo with logprobs, lists of prompts, and a quarter of the clients
+    hanging up early: every request read to its end is answered, and every admission slot and
+    KV block comes back (the router's count once leaked a slot on a streamed n > 1 hang-up; a
+    guided draft ending in its stop token failed whole engine steps)."""
+    chaos.pools(prefill=1, decode=1)
+    got = asyncio.run(burst(chaos.url, chaos.client.model, requests=48, concurrency=16, seed=3))
+    assert got.failures == [] and got.left > 0, got
+
+    def router_idle() -> bool:
+        metrics = httpx.get(f"{chaos.url}/metrics", timeout=5).text
+        return "tandem:num_requests_running 0.0" in metrics and "tandem:num_requests_waiting 0.0" in metrics
+
+    until(router_idle, 10, "every admission slot back")
+    assert chaos.held_after_idle() == 0
