@@ -124,9 +124,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks (a prefill hand-off's too). False if
         the id is unknown. A reservation is not a request: its owner (kv_transfer/receiver.py,
-        which leases it to a sender and fences it while one may write it in place) releases it;
-        freed here, behind its back, the lease outlived its blocks, which a late chunk could then
-        write under another request."""
+        its lease and fence) frees it, or a late chunk could write freed blocks."""
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             self.scheduler.finish(req, "abort")
