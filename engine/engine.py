@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.containment import Quarantine, failed_output
 from engine.cuda_graphs import GraphedDecode
 from engine.emitter import Emitter
 from engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
@@ -31,6 +32,7 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_codec import KVCodec
 from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
 from engine.model import LayerCallback, LlamaModel
+from engine.offline import generate
 from engine.outputs import Completion, KVHandoff, RequestOutput
 from engine.paged_cache import PagedKVCache
 from engine.prefill_kernels import pick_prefill_attention
@@ -74,6 +76,7 @@ class Engine:
             self.runner.graphs = GraphedDecode(model, self.cache, widest, pad_block=num_blocks)
         self.speculator = speculator_for(config, self.kv, self.max_model_len)
         self.grammars = Grammars(tokenizer, model.config.vocab_size)  # structured output
+        self.quarantine = Quarantine()  # the requests of a failed step, each run alone
         self._pending: list[RequestOutput] = []
         self._handoffs: set[str] = set()
         self._reserved: set[str] = set()
@@ -204,48 +207,40 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return every request with new tokens or a finish."""
+        """Run one batch; return every request with new tokens or a finish (finish_reason "error"
+        where the step failed on it: engine/containment.py)."""
         results, self._pending = self._pending, []
         if self.speculator is not None:
             self.speculator.draft(self.scheduler.running)
-        out = self.scheduler.schedule()
-        if out.num_tokens:
+        out = self.scheduler.schedule(self.quarantine.live(self.scheduler.requests.keys()))
+        if not out.num_tokens:
+            return results
+        try:
             sampled = self.runner.execute(out, self.layer_hook(out) if self.layer_hook else None)
-            self.scheduler.advance(out)
-            row = 0
-            for c in out.chunks:
-                if not c.completes:
-                    continue
-                n = len(c.draft) + 1  # samples of this chunk
-                toks, lps = sampled.token_ids[row : row + n], sampled.logprobs[row : row + n]
-                row += n
+        except Exception as e:
+            log.exception("a step of %d request(s) failed; those left run alone, one a step", len(out.chunks))
+            return results + [self._fail(r, e) for r in self.quarantine.step_failed(out)]
+        self.quarantine.step_passed(out)
+        self.scheduler.advance(out)
+        row = 0
+        for c in out.chunks:
+            if not c.completes:
+                continue
+            n = len(c.draft) + 1  # samples of this chunk
+            toks, lps = sampled.token_ids[row : row + n], sampled.logprobs[row : row + n]
+            row += n
+            try:
                 if c.draft and self.speculator is not None:
                     results.append(self.speculator.accept(c, toks, lps, self._append_token))
                 else:
                     results.append(self._append_token(c.request, toks[0], lps[0]))
+            except Exception as e:
+                results.append(self._fail(c.request, e))
         return results
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> list[Completion]:
-        """Run prompts to completion offline; results in prompt order.
-
-        Other requests already in the engine keep running, but their outputs are dropped."""
-        ids = [f"gen-{next(self._arrivals)}" for _ in prompts]
-        results = {i: Completion(i, [], [], "", None) for i in ids}
-        for rid, prompt in zip(ids, prompts, strict=True):
-            self.add_request(rid, prompt, params)
-            results[rid].prompt_token_ids = list(self.scheduler.requests[rid].prompt_token_ids)
-        while self.has_unfinished():
-            for o in self.step():
-                if o.request_id not in results:
-                    continue
-                r = results[o.request_id]
-                r.token_ids += o.new_token_ids
-                r.text += o.new_text
-                r.logprobs += o.logprobs
-                r.prompt_logprobs = r.prompt_logprobs or o.prompt_logprobs
-                r.finish_reason = o.finish_reason
-                r.num_cached_tokens = max(r.num_cached_tokens, o.num_cached_tokens)
-        return [results[i] for i in ids]
+        """Run prompts to completion offline: engine/offline.py."""
+        return generate(self, [f"gen-{next(self._arrivals)}" for _ in prompts], prompts, params)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the scheduler, block tables and hand-offs disagree."""
@@ -275,6 +270,11 @@ class Engine:
                 raise InvalidRequestError("the tokens carried do not follow the grammar", "response_format")
         self.emitter.open(req)
         return req
+
+    def _fail(self, req: Request, e: Exception) -> RequestOutput:
+        log.exception("the engine failed on request %s", req.request_id)
+        self.abort(req.request_id)  # its blocks (a hand-off's too, if it got that far)
+        return failed_output(req, e)
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         e = self.emitter.emit(req, token)

@@ -173,11 +173,15 @@ def allowed_tokens(
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)  # int32 [B, ceil(V / 32)], all set
     for i, m in enumerate(matchers):
         if m is not None:
-            before = drafted[i] if drafted else ()
-            for token in before:
-                m.accept_token(token)
-            m.fill_next_token_bitmask(bitmask, i)
-            m.rollback(len(before))
+            taken = 0
+            try:  # given back whatever happens: a step that fails is run again (engine/containment.py)
+                for token in drafted[i] if drafted else ():
+                    if not m.accept_token(token):
+                        break
+                    taken += 1
+                m.fill_next_token_bitmask(bitmask, i)
+            finally:
+                m.rollback(taken)
     bits = torch.arange(32, dtype=torch.int32)
     unpacked = (bitmask.unsqueeze(-1) >> bits) & 1  # [B, W, 32]: bit j of word w is token 32 w + j
     return unpacked.flatten(1)[:, :vocab_size].bool().to(device)

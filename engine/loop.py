@@ -173,7 +173,7 @@ class EngineLoop:
                         self._size_team()
                         outs = self.engine.step()
                         self.steps += 1
-                    except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+                    except Exception as e:  # outside any request's share (engine/containment.py): fail them all
                         log.exception("engine step failed")
                         self._fail_all(e)
             if outs:
@@ -202,7 +202,7 @@ class EngineLoop:
             stream = self._streams.get(o.request_id)
             if stream is None:
                 continue
-            stream.put(o)
+            stream.put(o if o.error is None else StreamError(o.error))
             if o.finished:
                 self._streams.pop(o.request_id, None)
         self._flush()

@@ -25,7 +25,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefill_done"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefill_done" | "error"
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with the first token, where asked: prompt tokens 1..n-1
     num_prompt_tokens: int = 0
@@ -35,6 +35,7 @@ class RequestOutput:
     queue_s: float = 0.0  # arrival to first scheduled (time.monotonic based)
     num_draft_tokens: int = 0  # speculation so far (engine/speculation.py): draft tokens verified
     num_accepted_tokens: int = 0  # ... and accepted
+    error: str | None = None  # why the engine failed on it (finish_reason "error", engine/containment.py)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -104,7 +105,11 @@ class Scheduler:
         self.requests[req.request_id] = req
         heapq.heappush(self._waiting, (req.sort_key, req))
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, alone: Collection[str] = ()) -> SchedulerOutput:
+        """This step's chunks. With `alone` (suspects of a failed step, engine/containment.py):
+        the first running request among them, by itself, without its draft."""
+        if alone and (solo := self._alone(alone)) is not None:
+            return solo
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -152,6 +157,19 @@ class Scheduler:
             prefills=[c for c in chunks if not c.is_decode],
             preempted=preempted,
         )
+
+    def _alone(self, ids: Collection[str]) -> SchedulerOutput | None:
+        """None where none of `ids` runs or its chunk finds no room (the batch goes on as usual)."""
+        self.running.sort(key=lambda r: r.sort_key)
+        req = next((r for r in self.running if r.request_id in ids), None)
+        if req is None:
+            return None
+        req.draft = ()
+        n = self._chunk(req, self.max_num_batched_tokens)
+        if n == 0 or not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            return None
+        c = ScheduledChunk(req, req.num_computed_tokens, n)
+        return SchedulerOutput(decodes=[c], prefills=[]) if c.is_decode else SchedulerOutput(decodes=[], prefills=[c])
 
     def _chunk(self, req: Request, budget: int) -> int:
         """How many of `req`'s uncomputed tokens run this step: to the budget and the chunk cap,

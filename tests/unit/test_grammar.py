@@ -162,3 +162,15 @@ def test_a_draft_is_cut_to_its_grammar_and_each_position_masked_after_it(smollm_
     assert after_yes[please] and not after_yes[yes] and not after_yes[no]
     assert set(done.nonzero().flatten().tolist()) <= tok.stop_token_ids and done[tok.eos_token_id], "only the end"
     assert matcher.accept_token(no), "given back after the fill"
+
+
+def test_a_mask_after_a_draft_the_grammar_refuses_gives_back_only_what_it_took(smollm_tokenizer: Tokenizer) -> None:
+    """A draft token the matcher refuses ends what it takes in; the fill gives back only what it
+    took, leaving the matcher where it was (it rolled back one token too many, past its start)."""
+    tok = smollm_tokenizer
+    matcher = Grammars(tok, tok.vocab_size).matcher(Guide.choice(["yes please", "no thanks"]))
+    yes, please, no = tok.encode("yes")[0], tok.encode(" please")[0], tok.encode("no")[0]
+    assert matcher.accept_token(yes)
+    masks = allowed_tokens([matcher], tok.vocab_size, torch.device("cpu"), [[please, no]])
+    assert masks is not None and not masks[0][please], "the mask of the state after what it took"
+    assert matcher.accept_token(please), "left after `yes`, where it was"

@@ -6,6 +6,7 @@ cache never hashes an unverified token. Plus the drafter and the policy as pure 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import replace
 
 import pytest
@@ -121,8 +122,8 @@ def test_max_tokens_stop_tokens_and_preemption_behave_as_without_speculation(tin
     preempted: list[str] = []
     schedule = spec.scheduler.schedule
 
-    def counted() -> SchedulerOutput:  # a wrapper on the public method: counts, changes nothing
-        out = schedule()
+    def counted(alone: Collection[str] = ()) -> SchedulerOutput:  # a wrapper on the public method: counts
+        out = schedule(alone)
         preempted.extend(out.preempted)
         return out
 
