@@ -40,11 +40,12 @@ import ray
 
 from cluster.feeds import Entry, Feeds, Gone
 from cluster.inflight import InflightLedger
-from cluster.liveness import AttemptFailed, Cancelled, Liveness, Waits, let_go
+from cluster.liveness import AttemptFailed, Cancelled, EngineFault, Liveness, Waits, failure_of, let_go
 from cluster.outputs import Placement
 from cluster.routing import Route
 from engine.cache_keys import cache_keys
 from engine.errors import InvalidRequestError
+from engine.loop import StreamError
 from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import ChunkRejected, PeerUnavailable, TransferTimeout
@@ -229,7 +230,7 @@ class Attempt:
             if isinstance(entry, Gone):
                 raise AttemptFailed(entry.reason, worker)
             if isinstance(entry, str):
-                raise AttemptFailed(f"worker {worker}: {entry}", worker)
+                raise failure_of(entry, worker)
             live.progress()
             yield entry
             if entry.finished:
@@ -245,7 +246,8 @@ class Attempt:
             cause = e.as_instanceof_cause()  # type: ignore[no-untyped-call]
             if isinstance(cause, InvalidRequestError):
                 raise cause from None
-            raise AttemptFailed(f"{type(cause).__name__}: {cause}", blamed(cause, suspect, peer)) from None
+            fault = EngineFault if isinstance(cause, StreamError) else AttemptFailed
+            raise fault(f"{type(cause).__name__}: {cause}", blamed(cause, suspect, peer)) from None
 
     def close(self) -> None:
         """Free what this attempt still holds on its workers; forget it in the ledger.

@@ -25,6 +25,18 @@ class AttemptFailed(EngineError):
         self.suspect = suspect
 
 
+class EngineFault(AttemptFailed):
+    """The worker's engine failed on the request (engine/containment.py); the worker serves on."""
+
+
+def failure_of(entry: str, worker: str) -> AttemptFailed:
+    """What an error in `worker`'s feed (an exception's "Name: text", engine/outbox.py) means: the
+    engine loop's StreamError, that its engine failed on the request; anything else, that the
+    attempt broke there."""
+    fault = EngineFault if entry.startswith("StreamError:") else AttemptFailed
+    return fault(f"worker {worker}: {entry}", worker)
+
+
 class Cancelled(EngineError):
     """The request was cancelled (its client went away)."""
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator
 from dataclasses import replace
 
 from cluster.handoff import Attempt
-from cluster.liveness import AttemptFailed
+from cluster.liveness import AttemptFailed, EngineFault
 from cluster.outputs import StreamOutput
 from cluster.routing import Route
 from engine.errors import EngineError
@@ -35,6 +35,11 @@ class WorkerDiedError(EngineError):
     def __init__(self, message: str, suspect: str | None = None) -> None:
         super().__init__(message)
         self.suspect = suspect
+
+
+class EngineFailedError(WorkerDiedError):
+    """The engine failed on the request (engine/containment.py) where it last ran, its worker alive:
+    a bug the request sets off, or a fault of that moment (the server log has its traceback)."""
 
 
 StartAttempt = Callable[[str, list[int], SamplingParams, Route, threading.Event], Attempt]
@@ -99,11 +104,11 @@ class RequestRun:
                     yield StreamOutput.of_token(out.shifted(len(prompt), earlier), placement, migrations)
                 return
             except AttemptFailed as e:
+                died = EngineFailedError if isinstance(e, EngineFault) else WorkerDiedError
                 if not emitted:
-                    raise WorkerDiedError(f"the request failed before its first token: {e}", e.suspect) from None
+                    raise died(f"the request failed before its first token: {e}", e.suspect) from None
                 if self.migrations >= max_migrations:
-                    why = f"the request failed after {self.migrations} migration(s): {e}"
-                    raise WorkerDiedError(why, e.suspect) from None
+                    raise died(f"the request failed after {self.migrations} migration(s): {e}", e.suspect) from None
                 route = self._reroute(reroute, prompt + emitted, _after(params, len(emitted)), route, e)
                 self.migrations += 1
                 attempt_id = f"{self.request_id}.m{self.migrations}"
@@ -117,7 +122,8 @@ class RequestRun:
         try:
             return reroute(prompt, params, exclude)
         except EngineError as no_route:
-            raise WorkerDiedError(f"{e}; no other worker to continue on ({no_route})") from None
+            died = EngineFailedError if isinstance(e, EngineFault) else WorkerDiedError
+            raise died(f"{e}; no other worker to continue on ({no_route})") from None
 
 
 def _after(params: SamplingParams, emitted: int) -> SamplingParams:

@@ -9,6 +9,7 @@ unknown model, route or worker                               404
 PromptTooLongError / request body over max_body_bytes        413
 admission queue full (Saturated)                             429 + Retry-After
 an unexpected error in the router                            500
+the engine failed on the request (engine/containment.py)     500
 no worker up / workers failing (after retries)               503 + Retry-After
 cluster state store (Redis) unavailable                      503 + Retry-After
 
@@ -60,6 +61,10 @@ _WORKER_GONE = frozenset({"WorkerDiedError", "RayActorError", "ActorDiedError", 
 # RayTaskError(Cause) included) has one of these names; the first match wins.
 _SENTENCES: tuple[tuple[frozenset[str], str], ...] = (
     (frozenset({"GetTimeoutError", "TimeoutError"}), "the workers did not answer in time; retry later"),
+    (
+        frozenset({"EngineFailedError"}),
+        "the engine failed on this request; the server log has the details under this response's x-request-id",
+    ),
     (_WORKER_GONE, "a worker stopped while serving this request; retry later"),
     (frozenset({"WorkerDraining"}), "the worker is draining; retry later"),
     (frozenset({"KVTransferError"}), "moving the prompt's KV cache between workers failed; retry later"),
@@ -184,6 +189,8 @@ def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
         log.warning("request %s: no worker: %s", REQUEST_ID.get(), e)
         return APIError(503, client_message(e), code="no_worker", headers=retry)
     log.error("request %s failed on the workers", REQUEST_ID.get(), exc_info=e)
+    if "EngineFailedError" in {c.__name__ for c in type(e).__mro__}:  # a bug, likely again on a retry
+        return APIError(500, client_message(e), code="engine_error")
     return APIError(503, client_message(e), code="worker_error", headers=retry)
 
 

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from cluster.cluster import NoWorkerError
 from cluster.outputs import StreamOutput
+from cluster.request_run import EngineFailedError
 from cluster.routing import Route
 from cluster.state import StateUnavailable
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -41,6 +42,7 @@ RAY_DUMP = (
     "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready."
 )
 TIMEOUT = "the workers did not answer in time; retry later"
+ENGINE_FAILED = "the engine failed on this request; the server log has the details under this response's x-request-id"
 REQUEST = {"model": "fake-model", "messages": HELLO, "max_tokens": 6}
 
 
@@ -160,6 +162,17 @@ def test_a_failure_mid_stream_ends_with_the_same_safe_message(backend: FailingBa
     chunks = events(client(backend).post("/v1/completions", json={**REQUEST, "prompt": "hi", "stream": True}).text)
     assert openai_error(chunks[-1], "worker_error") == WORKERS_FAILED
     assert backend.closed == backend.started
+
+
+def test_an_engine_that_failed_on_the_request_is_a_500_that_says_so(backend: FailingBackend) -> None:
+    """Not "a worker stopped" (it did not) nor a Retry-After: a bug the request sets off fails it again."""
+    backend.failure = EngineFailedError(f"the request failed before its first token: worker d1: {RAY_DUMP}", "d1")
+    r = client(backend).post(CHAT, json=REQUEST)
+    assert r.status_code == 500 and "retry-after" not in r.headers
+    assert openai_error(r.json(), "engine_error") == ENGINE_FAILED
+    backend.fail_after = 2
+    chunks = events(client(backend).post(CHAT, json={**REQUEST, "stream": True}).text)
+    assert openai_error(chunks[-1], "engine_error") == ENGINE_FAILED
 
 
 def test_a_no_worker_error_with_a_dump_is_a_503_without_it(backend: FailingBackend) -> None:

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.liveness import AttemptFailed
+from cluster.liveness import AttemptFailed, EngineFault
 from cluster.outputs import Placement
-from cluster.request_run import RequestRun, WorkerDiedError
+from cluster.request_run import EngineFailedError, RequestRun, WorkerDiedError
 from cluster.routing import Route
 from cluster.view import ViewRefresher
 from engine.messages import TokenOutput
@@ -31,6 +31,7 @@ class FakeAttempt:
     route: Route
     tokens: list[int]
     fail_after: int | None = None
+    fault: type[AttemptFailed] = AttemptFailed
     placement: Placement | None = None
     closed: bool = False
 
@@ -41,7 +42,7 @@ class FakeAttempt:
             done = self.fail_after is None and i == len(self.tokens) - 1
             yield TokenOutput((t,), f"<{t}>", done, "length" if done else None, len(self.prompt), i + 1)
         if self.fail_after is not None:
-            raise AttemptFailed(f"{self.route.decode} died", self.route.decode)
+            raise self.fault(f"{self.route.decode} failed", self.route.decode)
 
     def close(self) -> None:
         self.closed = True
@@ -50,14 +51,17 @@ class FakeAttempt:
 class Script:
     """Hands out FakeAttempts: the whole answer is 10..15; attempt k fails after fails[k] tokens."""
 
-    def __init__(self, fails: list[int | None]) -> None:
+    def __init__(self, fails: list[int | None], fault: type[AttemptFailed] = AttemptFailed) -> None:
         self.fails = fails
+        self.fault = fault
         self.attempts: list[FakeAttempt] = []
         self.reroutes: list[tuple[list[int], SamplingParams, frozenset[str]]] = []
 
     def start(self, rid: str, prompt: list[int], params: SamplingParams, route: Route, cancel: threading.Event):  # type: ignore[no-untyped-def]
         done = len(prompt) - 2  # the prompt is [1, 2] + what was emitted so far
-        a = FakeAttempt(rid, prompt, params, route, list(range(10 + done, 16)), self.fails[len(self.attempts)])
+        a = FakeAttempt(
+            rid, prompt, params, route, list(range(10 + done, 16)), self.fails[len(self.attempts)], self.fault
+        )
         self.attempts.append(a)
         return a
 
@@ -109,6 +113,19 @@ def test_no_other_worker_ends_cleanly() -> None:
 
     with pytest.raises(WorkerDiedError, match="no other worker"):
         list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, nowhere))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fails", [[0], [1, 1, 1]], ids=["before-its-first-token", "after-its-migrations"])
+def test_an_engine_that_fails_on_the_request_is_told_from_a_dead_worker(fails: list[int | None]) -> None:
+    """A worker's engine that failed on the request (engine/containment.py) is replayed like a
+    dead worker, and ends as EngineFailedError: the router answers 500, not "a worker stopped"."""
+    s = Script(fails, EngineFault)
+    with pytest.raises(EngineFailedError, match="d1 failed" if fails == [0] else "after 2 migration") as e:
+        list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), s.start, s.reroute))  # type: ignore[arg-type]
+    assert e.value.suspect == s.attempts[-1].route.decode and len(s.attempts) == len(fails)
+    with pytest.raises(WorkerDiedError) as died:
+        list(RequestRun("r", [1, 2], PARAMS, Route("d1", "p1"), Script(fails).start, s.reroute))  # type: ignore[arg-type]
+    assert type(died.value) is WorkerDiedError
 
 
 def test_view_keeps_the_last_known_state_when_a_source_fails() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from cluster.feeds import Entry, Feeds, Gone
+from cluster.liveness import AttemptFailed, EngineFault, failure_of
 from decode_workers.colocated import ColocatedWorker
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -21,6 +22,7 @@ from engine.outbox import Item, Outboxes
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.unit.kv_harness import wait_for
+from tests.unit.test_containment import poisoned, runs
 from tests.unit.tiny import TINY, tiny_weights
 
 PARAMS = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
@@ -75,6 +77,28 @@ def test_bad_input_is_refused_and_leaves_nothing(worker: ColocatedWorker) -> Non
     worker.abort("ok")
     (batch,) = [worker.take_outputs("router-a", 5.0)]
     assert batch[-1][0] == "ok" and isinstance(batch[-1][1], TokenOutput) and batch[-1][1].finish_reason == "abort"
+    worker.check_integrity()
+
+
+def test_a_request_the_engine_fails_on_reaches_the_router_as_an_engine_fault(worker: ColocatedWorker) -> None:
+    """engine/containment.py through the outbox: the poisoned request's feed ends in the entry a
+    router reads as its engine failing on it (not the worker dying); the others finish."""
+    worker.engine.layer_hook = poisoned(runs("bad"))
+    try:
+        for rid in ("ok", "bad"):
+            worker.start("router-a", rid, [3, 1, 4, 1, 5, 9, 2, 6], PARAMS)
+        ends: dict[str, Entry] = {}
+        while len(ends) < 2:
+            batch = worker.take_outputs("router-a", 5.0)
+            assert batch, "no output within 5 s"
+            ends |= {rid: out for rid, out in batch if isinstance(out, str) or out.finished}
+    finally:
+        worker.engine.layer_hook = None
+    bad, ok = ends["bad"], ends["ok"]
+    assert isinstance(ok, TokenOutput) and ok.finish_reason == "length"
+    assert isinstance(bad, str) and "RuntimeError: poisoned step" in bad
+    assert isinstance(failure_of(bad, "c0"), EngineFault)
+    assert type(failure_of("WorkerDraining: the worker is draining", "c0")) is AttemptFailed
     worker.check_integrity()
 
 
