@@ -33,6 +33,7 @@ one's rows dearer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -44,6 +45,8 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampler import TokenLogprob
 from engine.scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
 
 TRUST_WEIGHT = 0.3  # of the latest draft in a request's trust (starts at 1: the drafter's word)
 MAX_TRUST = 2.0
@@ -106,6 +109,7 @@ def accepted(draft: Sequence[int], sampled: Sequence[int]) -> int:
 
 
 AppendToken = Callable[[Request, int, "TokenLogprob | None"], RequestOutput]
+Drafter = PromptLookup | SuffixDrafter
 
 
 @dataclass
@@ -113,7 +117,8 @@ class _Tracked:
     """One decoding request's speculation."""
 
     request: Request
-    drafter: PromptLookup | SuffixDrafter
+    drafter: Drafter
+    failed: bool = False  # its drafter raised: no more drafts for it
     trust: float = 1.0  # updated_trust's
     # its last draft not verified: (the index its first token would have had, that token, the
     # drafter's confidence in it), scored at the next draft against the token that came there
@@ -126,11 +131,20 @@ class Speculator:
     verified chunk's samples into one output. `drafts`: drafts verified so far; `drafted` /
     `accepted`: their tokens, and those accepted; `per_position[i]`: accepted at position i."""
 
-    def __init__(self, kv: KVCacheManager, max_draft: int, max_model_len: int, kind: str = "ngram") -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_draft: int,
+        max_model_len: int,
+        kind: str = "ngram",
+        new_drafter: Callable[[], Drafter] | None = None,
+    ) -> None:
+        """`new_drafter`: a request's drafter (default: `kind`'s)."""
         self.kv = kv
         self.max_draft = max_draft
         self.max_model_len = max_model_len
         self.tree = OutputTree(max_draft=max_draft) if kind == "suffix" else None
+        self.new_drafter = new_drafter or self._new_drafter
         self._tracked: dict[str, _Tracked] = {}
         self.drafts = 0
         self.drafted = 0
@@ -138,7 +152,8 @@ class Speculator:
         self.per_position = [0] * max_draft
 
     def draft(self, running: Sequence[Request]) -> None:
-        """Set `draft` on each running request that is decoding (one output token without KV)."""
+        """Set `draft` on each running request that is decoding (one output token without KV). A
+        request whose drafter fails runs on without speculation: its answer is the same."""
         live = {id(r) for r in running}  # the objects: an id may come back as a new request
         rows = len(running)  # a row each, before drafts
         for rid in [rid for rid, t in self._tracked.items() if id(t.request) not in live]:
@@ -148,27 +163,37 @@ class Speculator:
                 continue  # not decoding: a prompt's last token is prefilled (ScheduledChunk.is_decode)
             t = self._tracked.get(req.request_id)
             if t is None:
-                t = self._tracked[req.request_id] = _Tracked(req, self._new_drafter())
-            t.drafter.update(req.token_ids)
-            if t.unverified is not None and t.unverified[0] < req.num_tokens:
-                at, token, confidence = t.unverified
-                t.trust = updated_trust(t.trust, confidence, req.token_ids[at] == token)
-            t.unverified, req.draft = None, ()
-            if row_cost(rows) >= DRAFT_BELOW_COST:
+                t = self._tracked[req.request_id] = _Tracked(req, self.new_drafter())
+            if t.failed:
                 continue
-            # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
-            room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-            draft = t.drafter.propose()
-            if not draft.token_ids:
-                continue
-            req.draft = draft.token_ids[: max(0, min(room, verify_len(trusted(draft, t.trust), rows)))]
-            if req.grammar is not None:  # structured output: what its grammar allows, no more
-                req.draft = grammatical(req.grammar, req.draft)
-            if req.draft:
-                t.first_confidence = draft.confidence[0]
-            else:
-                t.unverified = (req.num_tokens, draft.token_ids[0], draft.confidence[0])
-            rows += len(req.draft)
+            try:
+                rows += self._draft(req, t, rows)
+            except Exception:
+                log.exception("drafting for request %s failed; it runs on without speculation", req.request_id)
+                t.failed, req.draft = True, ()
+
+    def _draft(self, req: Request, t: _Tracked, rows: int) -> int:
+        """Set `req.draft`; returns its length."""
+        t.drafter.update(req.token_ids)
+        if t.unverified is not None and t.unverified[0] < req.num_tokens:
+            at, token, confidence = t.unverified
+            t.trust = updated_trust(t.trust, confidence, req.token_ids[at] == token)
+        t.unverified, req.draft = None, ()
+        if row_cost(rows) >= DRAFT_BELOW_COST:
+            return 0
+        # the last draft token's sample is emitted too: k drafts can emit k + 1 tokens
+        room = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        draft = t.drafter.propose()
+        if not draft.token_ids:
+            return 0
+        req.draft = draft.token_ids[: max(0, min(room, verify_len(trusted(draft, t.trust), rows)))]
+        if req.grammar is not None:  # structured output: what its grammar allows, no more
+            req.draft = grammatical(req.grammar, req.draft)
+        if req.draft:
+            t.first_confidence = draft.confidence[0]
+        else:
+            t.unverified = (req.num_tokens, draft.token_ids[0], draft.confidence[0])
+        return len(req.draft)
 
     def reset(self) -> None:
         """Forget every request tracked and every output the tree holds, so nothing run before
@@ -185,7 +210,7 @@ class Speculator:
         if self.tree is not None and done.finish_reason in ("stop", "length"):
             self.tree.add(done.prompt_token_ids, done.output_token_ids)
 
-    def _new_drafter(self) -> PromptLookup | SuffixDrafter:
+    def _new_drafter(self) -> Drafter:
         return PromptLookup(self.max_draft) if self.tree is None else SuffixDrafter(self.tree, self.max_draft)
 
     def accept(

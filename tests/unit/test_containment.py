@@ -13,11 +13,13 @@ from tokenizers.models import WordLevel
 
 from engine.config import EngineConfig
 from engine.containment import MAX_STRIKES
+from engine.drafters import Draft, PromptLookup
 from engine.engine import Engine
 from engine.loop import EngineLoop, StreamError
 from engine.model import LayerCallback, LlamaModel
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
+from engine.speculation import Speculator
 from engine.tokenizer import Tokenizer
 from tests.unit.tiny import make_engine
 
@@ -144,3 +146,24 @@ def test_the_loop_ends_only_the_failed_requests_stream_with_the_error(tiny_model
         assert loop.num_streams == 0
     finally:
         loop.stop()
+
+
+class _PoisonDrafter(PromptLookup):
+    """Proposing for a text that holds token 99 raises: a fault in one request's drafter."""
+
+    def propose(self) -> Draft:
+        if 99 in self.tokens:
+            raise IndexError("no draft for 99")
+        return super().propose()
+
+
+def test_a_request_whose_drafter_fails_runs_on_without_speculation(
+    tiny_model: LlamaModel, clean: dict[str, Ended], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Speculation only saves time: its drafter failing is no reason to fail the request, or the step."""
+    engine = make_engine(tiny_model, num_blocks=64, speculative="ngram")
+    engine.speculator = Speculator(engine.kv, 4, engine.max_model_len, new_drafter=_PoisonDrafter)
+    with caplog.at_level("ERROR", logger="engine.speculation"):
+        assert run(engine) == clean
+    assert "drafting for request b failed; it runs on without speculation" in caplog.text
+    assert caplog.text.count("drafting for request") == 1, "once: it drafts no more"
