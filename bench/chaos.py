@@ -4,7 +4,8 @@ Scenarios (bench.chaos_scenarios, bench.chaos_control): a decode worker SIGKILLe
 (one of two, and the only one), a prefill worker SIGKILLed mid-transfer, a decode worker
 SIGSTOPped for 15 s, a prefill worker SIGSTOPped for 15 s mid-transfer, the embedded Redis
 SIGKILLed, the pool manager SIGKILLed, a second router joining the pools and leaving, clients
-hanging up while queued and in prefill. Each runs its load undisturbed first: that run is the
+hanging up while queued and in prefill, and the pools resized, drained and flipped under load
+(bench.chaos_admin). Each runs its load undisturbed first: that run is the
 baseline its added latency is measured against, and the reference its answers must equal.
 Per scenario: completed / errored / hung, added p99 latency, time to recovery, blocks held
 after idle. The target is 0 errored, 0 hung and 0 held blocks everywhere.
@@ -17,13 +18,16 @@ import sys
 import time
 from dataclasses import asdict
 
+from bench.chaos_admin import admin_churn
 from bench.chaos_harness import Chaos, ScenarioResult
-from bench.chaos_scenarios import SCENARIOS
+from bench.chaos_scenarios import SCENARIOS as FAULTS
 from bench.harness import ready_to_serve, running_cluster, serving
 from bench.harness import unique_namespace as namespace
 from bench.json_out import print_json
 from cluster.cluster import ClusterConfig
 from engine.config import EngineConfig
+
+SCENARIOS = {**FAULTS, "admin-churn": admin_churn}
 
 
 def run(names: list[str], quick: bool, dtype: str = "auto", speculative: str = "suffix") -> list[ScenarioResult]:
