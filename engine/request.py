@@ -142,9 +142,11 @@ def checked_prompt(
         raise PromptTooLongError(
             f"the prompt has {len(ids)} tokens; this model's context is {max_model_len} tokens", "prompt"
         )
-    if len(ids) + params.max_tokens > max_model_len:
-        total = f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens})"
-        raise InvalidRequestError(f"{total} exceeds the context of {max_model_len} tokens", "max_tokens")
     if len(ids) + 1 > cache_tokens:
         raise PromptTooLongError(f"the prompt ({len(ids)} tokens) does not fit the KV cache", "prompt")
+    if len(ids) + params.max_tokens > min(max_model_len, cache_tokens):
+        # one that outgrew the whole cache was preempted, and waited for room that never came
+        total = f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens})"
+        room = f"the context of {max_model_len}" if max_model_len <= cache_tokens else f"the KV cache's {cache_tokens}"
+        raise InvalidRequestError(f"{total} exceeds {room} tokens", "max_tokens")
     return ids

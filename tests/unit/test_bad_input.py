@@ -61,3 +61,16 @@ def test_prompt_that_cannot_fit_the_cache(tiny_model: LlamaModel) -> None:
     with pytest.raises(PromptTooLongError):
         e.add_request("big", list(range(20)), SamplingParams(max_tokens=1))
     e.check_integrity()
+
+
+def test_an_answer_that_cannot_fit_the_cache_is_refused_not_left_waiting(tiny_model: LlamaModel) -> None:
+    """8 blocks of 4 hold 32 tokens: 5 + 40 was admitted, outgrew the whole cache, was preempted,
+    and then waited for room that never came (the engine stepped on at nothing, for ever)."""
+    e = make_engine(tiny_model, num_blocks=8)
+    with pytest.raises(InvalidRequestError, match=r"max_tokens \(40\) exceeds the KV cache's 32 tokens") as err:
+        e.add_request("long answer", [1, 2, 3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert err.value.param == "max_tokens"
+    e.check_integrity()
+    (done,) = e.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=27, ignore_eos=True))  # all that fits
+    assert len(done.token_ids) == 27 and done.finish_reason == "length"
+    e.check_integrity()
