@@ -26,6 +26,12 @@ from engine.torch_threads import set_team_size
 log = logging.getLogger(__name__)
 
 
+# How often a loop whose waiting requests need blocks held outside its running ones (a prefill's
+# hand-offs until their transfer ends, a decode worker's reservations) looks again: at every
+# step it spun a core that the transfer freeing them needed.
+BLOCKED_POLL_S = 0.002
+
+
 class StreamError(EngineError):
     """The request failed inside the engine loop (the message says why)."""
 
@@ -168,16 +174,21 @@ class EngineLoop:
                 self._run_later()
                 busy = self.engine.has_unfinished()
                 outs: list[RequestOutput] = []
+                blocked = False
                 if busy:
                     try:
                         self._size_team()
                         outs = self.engine.step()
                         self.steps += 1
+                        blocked = not outs and not self.engine.scheduler.running
                     except Exception as e:  # outside any request's share (engine/containment.py): fail them all
                         log.exception("engine step failed")
                         self._fail_all(e)
             if outs:
                 self._dispatch(outs)
+            if blocked:  # what waits needs blocks that hand-offs or reservations hold: no spinning meanwhile
+                self._wake.wait(BLOCKED_POLL_S)
+                self._wake.clear()
             if not busy:
                 if self.cores is not None:
                     self.cores.release()
