@@ -44,8 +44,7 @@ from cluster.liveness import AttemptFailed, Cancelled, EngineFault, Liveness, Wa
 from cluster.outputs import Placement
 from cluster.routing import Route
 from engine.cache_keys import cache_keys
-from engine.errors import InvalidRequestError
-from engine.loop import StreamError
+from engine.errors import InvalidRequestError, StreamError
 from engine.messages import TokenOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import ChunkRejected, PeerUnavailable, TransferTimeout

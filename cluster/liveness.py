@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from engine.errors import EngineError
+from engine.errors import EngineError, StreamError
 
 
 class AttemptFailed(EngineError):
@@ -33,7 +33,7 @@ def failure_of(entry: str, worker: str) -> AttemptFailed:
     """What an error in `worker`'s feed (an exception's "Name: text", engine/outbox.py) means: the
     engine loop's StreamError, that its engine failed on the request; anything else, that the
     attempt broke there."""
-    fault = EngineFault if entry.startswith("StreamError:") else AttemptFailed
+    fault = EngineFault if entry.startswith(f"{StreamError.__name__}:") else AttemptFailed
     return fault(f"worker {worker}: {entry}", worker)
 
 

@@ -32,3 +32,7 @@ class NoFreeBlocksError(EngineError):
 
 class UnknownRequestError(EngineError, KeyError):
     """An operation named a request id the engine does not hold."""
+
+
+class StreamError(EngineError):
+    """The request failed inside the engine loop (the message says why): its stream's end."""

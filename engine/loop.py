@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.engine import Engine
-from engine.errors import EngineError
+from engine.errors import EngineError, StreamError
 from engine.fair_lock import FairRLock
 from engine.outputs import RequestOutput
 from engine.torch_threads import set_team_size
@@ -27,13 +27,9 @@ log = logging.getLogger(__name__)
 
 
 # How often a loop whose waiting requests need blocks held outside its running ones (a prefill's
-# hand-offs until their transfer ends, a decode worker's reservations) looks again: at every
-# step it spun a core that the transfer freeing them needed.
+# hand-offs until their transfer ends, a decode worker's reservations) looks again: it stepped
+# at nothing at every turn, a core's worth, while what would free them needed the CPU.
 BLOCKED_POLL_S = 0.002
-
-
-class StreamError(EngineError):
-    """The request failed inside the engine loop (the message says why)."""
 
 
 class RequestStream:

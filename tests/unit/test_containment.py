@@ -15,7 +15,8 @@ from engine.config import EngineConfig
 from engine.containment import MAX_STRIKES
 from engine.drafters import Draft, PromptLookup
 from engine.engine import Engine
-from engine.loop import EngineLoop, StreamError
+from engine.errors import StreamError
+from engine.loop import EngineLoop
 from engine.model import LayerCallback, LlamaModel
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
