@@ -10,10 +10,9 @@ carried the bad one along to fail a second worker's streams and a third's. Now:
       c alone: passes   ->  cleared; the batch runs on as before
 
 A request fails at once where it ran alone, or when it was in MAX_STRIKES failed steps (a fault
-that only some mix of requests sets off, where every one passes alone). A prefill hand-off in a
-failed step fails at once: the layers of its KV already streamed would not be sent again, and,
-no token out yet, the router retries it on another pair. The KV a failed step wrote for
-positions it had not computed is written again when they run: nothing advanced.
+that only some mix of requests sets off, where every one passes alone). The KV a failed step
+wrote for positions it had not computed is written again when they run: nothing advanced. A
+prefill hand-off's chunk is streamed again whole (kv_transfer/streaming.py).
 
 An exception in one request's share of the step's post-processing (its tokens appended,
 detokenized, stop-checked) fails that request only (`Engine.step`).
@@ -46,7 +45,7 @@ class Quarantine:
         for req in reqs:
             rid = req.request_id
             self._strikes[rid] = strikes = self._strikes.get(rid, 0) + 1
-            if len(reqs) == 1 or strikes >= self.max_strikes or req.hands_off:
+            if len(reqs) == 1 or strikes >= self.max_strikes:
                 fail.append(req)
                 self.forget(rid)
             else:

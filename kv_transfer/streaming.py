@@ -13,7 +13,8 @@ gather, a checksum and a frame, and the receiver a validation and a write, whate
 
 A chunk sends the blocks it touched; a request's first chunk also sends the blocks a
 prefix-cache hit supplied. A block cut by a chunk boundary goes again, complete, with
-the next chunk.
+the next chunk. A step that failed is run again (engine/containment.py), and its chunks go
+again whole, a first chunk with its prefix-hit blocks: the receiver rewrites what came twice.
 
 The callback runs on the engine thread under the engine lock, so it never waits on the
 network (`KVPush.send` only queues) and nothing it does escapes into the step: any failure
@@ -33,22 +34,26 @@ from kv_transfer.sender import KVPush
 
 
 @dataclass
+class _Tracked:
+    push: KVPush
+    first_chunk: bool = True  # until a chunk's last layer is sent (a failed step's is run again)
+    wait_s: float = field(default=0.0)
+
+
+@dataclass
 class _Send:
     """One request's part of a step: its blocks, and the layers it sends a message at a time."""
 
-    push: KVPush
+    tracked: _Tracked
     logical: list[int]
     src: torch.Tensor
     layers: int
     next_layer: int = 0
     failed: bool = False
 
-
-@dataclass
-class _Tracked:
-    push: KVPush
-    first_chunk: bool = True
-    wait_s: float = field(default=0.0)
+    @property
+    def push(self) -> KVPush:
+        return self.tracked.push
 
 
 # Measured at idle on 2 cores (int8 SmolLM2, a 42-token chat prompt, 36 KiB a layer): one
@@ -82,11 +87,10 @@ class LayerStreamer:
                 continue
             end = min(c.end, c.request.num_prompt_tokens)
             lo = 0 if t.first_chunk else c.start // bs
-            t.first_chunk = False
             logical = list(range(lo, (end - 1) // bs + 1))
             table = self.engine.kv.block_table(c.request.request_id)
             layers = -(-self.min_message_bytes // (len(logical) * layer_block_bytes))
-            work.append(_Send(t.push, logical, torch.tensor([table[j] for j in logical]), max(1, layers)))
+            work.append(_Send(t, logical, torch.tensor([table[j] for j in logical]), max(1, layers)))
         if not work:
             return None
         kv, last = cache.kv, cache.num_layers - 1
@@ -103,6 +107,8 @@ class LayerStreamer:
                     # into shared memory)
                     w.push.send_blocks(w.next_layer, i + 1, w.logical, kv[w.next_layer : i + 1], w.src)
                     w.next_layer = i + 1
+                    if i == last:  # a step that fails before this is run again, prefix-hit blocks and all
+                        w.tracked.first_chunk = False
                 except Exception as e:  # send does not raise; this guards the step all the same
                     w.failed = True
                     w.push.abort(f"streaming failed: {type(e).__name__}: {e}")

@@ -52,8 +52,11 @@ def runs(rid: str, from_output: int = 0) -> Callable[[SchedulerOutput], bool]:
                            for c in out.chunks)  # fmt: skip
 
 
-def run(engine: Engine, prompts: dict[str, list[int]] = PROMPTS, **whole: bool) -> dict[str, Ended]:
-    """Every prompt to its end, the engine's integrity checked after each step."""
+def run(
+    engine: Engine, prompts: dict[str, list[int]] = PROMPTS, release: bool = False, **whole: bool
+) -> dict[str, Ended]:
+    """Every prompt to its end, the engine's integrity checked after each step; `release`: a
+    prefill hand-off's blocks freed at its first token, as its worker does after the transfer."""
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, PARAMS, whole=whole.get(rid, False))
     ended: dict[str, Ended] = {rid: ([], None, None) for rid in prompts}
@@ -64,6 +67,8 @@ def run(engine: Engine, prompts: dict[str, list[int]] = PROMPTS, **whole: bool) 
         for o in engine.step():
             tokens, _, _ = ended[o.request_id]
             ended[o.request_id] = (tokens + o.new_token_ids, o.finish_reason, o.error)
+            if release and o.kv is not None:
+                engine.release(o.request_id)
         engine.check_integrity()
     assert engine.kv.num_requests == 0, "blocks left held"
     return ended
@@ -97,15 +102,17 @@ def test_a_fault_only_a_mix_sets_off_ends_after_max_strikes_and_hangs_nothing(ti
                                                                        "c": (MAX_STRIKES - 1, "error")}  # fmt: skip
 
 
-def test_a_prefill_hand_off_in_a_failed_step_fails_at_once_and_a_whole_request_runs_on(
+def test_on_a_prefill_engine_hand_offs_and_whole_requests_are_isolated_alike(
     tiny_model: LlamaModel, clean: dict[str, Ended]
 ) -> None:
-    """A hand-off's KV may be half streamed: it fails (the router retries it elsewhere, no token
-    out yet); a request run whole on the prefill worker is isolated and goes on."""
+    """The poisoned hand-off fails (no token out yet: the router retries it elsewhere); the other
+    hand-off reaches its first token and hands its blocks off (its chunk's KV streamed again whole,
+    tests/unit/test_kv_transfer.py); a request run whole on the prefill worker goes on."""
     engine = Engine(tiny_model, None, EngineConfig(dtype="fp32", block_size=4, num_blocks=64, role="prefill"))
     engine.layer_hook = poisoned(runs("a"))
-    ended = run(engine, {"a": PROMPTS["a"], "d": PROMPTS["d"]}, d=True)
+    ended = run(engine, {"a": PROMPTS["a"], "b": PROMPTS["b"], "d": PROMPTS["d"]}, d=True, release=True)
     assert ended["a"][1] == "error" and ended["a"][0] == []
+    assert ended["b"][:2] == (clean["b"][0][:1], "prefill_done")
     assert ended["d"] == clean["d"]
 
 

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.model import LlamaModel
+from engine.model import LayerCallback, LlamaModel
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 from kv_transfer.errors import ChunkRejected, KVTransferError
 from kv_transfer.wire import checksum, tensor_bytes
 from protos.gen import kv_transfer_pb2 as pb
@@ -279,3 +280,54 @@ def test_small_layers_go_several_to_a_message_bit_identical(tiny_model: LlamaMod
             pair.prefill.check_integrity()
         finally:
             pair.close()
+
+
+def test_a_hand_off_in_a_failed_step_streams_its_kv_again_whole(tiny_model: LlamaModel) -> None:
+    """engine/containment.py runs a failed step's requests again, alone: the innocent hand-off's
+    chunk goes again whole, the blocks its prefix-cache hit supplied included. The fault comes in
+    at the engine's layer hook, after the streamer sent every request's first layer."""
+    pair = make_pair(tiny_model)
+    try:
+        client = pair.client()
+        shared = prompt_of(12, 5)
+        pair.transfer(client, "warm", shared, GREEDY)  # its 3 full blocks stay in the prefix cache
+        pair.receiver.admit("warm", shared, 0, GREEDY)
+        decode_all(pair, "warm")
+        streamer_hook = pair.streamer.hook
+
+        def hook(out: SchedulerOutput) -> LayerCallback | None:
+            send = streamer_hook(out)
+            if not any(c.request.request_id == "bad" for c in out.chunks):
+                return send
+
+            def on_layer(i: int) -> None:
+                if send is not None:
+                    send(i)
+                raise RuntimeError("poisoned step")
+
+            return on_layer
+
+        pair.prefill.layer_hook = hook
+        prompts = {"bad": prompt_of(9, 6), "ok": shared + prompt_of(5, 7)}
+        pushes = {}
+        for rid, prompt in prompts.items():
+            pushes[rid] = client.push(rid, client.reserve(rid, len(prompt)))
+            pair.streamer.track(rid, pushes[rid])
+            pair.prefill.add_request(rid, prompt, GREEDY)
+        firsts = {}
+        while pair.prefill.has_unfinished():
+            firsts |= {o.request_id: o for o in pair.prefill.step()}
+        assert firsts["bad"].finish_reason == "error" and firsts["ok"].num_cached_tokens == 12
+        pushes["bad"].abort("its prefill failed")
+        for rid in prompts:
+            pair.streamer.untrack(rid)
+        pushes["ok"].commit(len(prompts["ok"]))  # every layer of every block: "incomplete" before
+        pair.prefill.release("ok")
+        pair.receiver.admit("ok", prompts["ok"], firsts["ok"].new_token_ids[0], GREEDY)
+        alone = make_engine(tiny_model, num_blocks=64).generate([prompts["ok"]], GREEDY)[0].token_ids
+        assert decode_all(pair, "ok") == alone  # its first token, sampled by the prefill side, first
+        assert wait_for(lambda: "bad" not in pair.receiver.table, 2), "the failed hand-off's reservation freed"
+        pair.receiver.check_integrity()
+        pair.prefill.check_integrity()
+    finally:
+        pair.close()
