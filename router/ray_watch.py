@@ -45,11 +45,18 @@ class RayWatch:
         reachable: Callable[[], bool],
         gone_after_s: float = GONE_AFTER_S,
         interval_s: float = INTERVAL_S,
+        gcs: str | None = None,
     ) -> None:
         self._reachable = reachable
         self._gone_after_s = gone_after_s
         self._interval_s = interval_s
+        self._gcs = gcs
         self.gone = threading.Event()
+
+    def gcs_refuses(self) -> bool:
+        """Whether the GCS refuses a connection now: every Ray call would block (a stop needs no
+        GONE_AFTER_S to know that; a GCS that is only slow to answer still counts as there)."""
+        return self._gcs is not None and not port_open(self._gcs)
 
     def run(self, stop: threading.Event, on_gone: Callable[[], None]) -> None:
         last_seen = time.monotonic()
@@ -89,4 +96,4 @@ def watch_ray(stop: threading.Event, on_gone: Callable[[str], None]) -> RayWatch
         node = "this host's Ray node is gone (its raylet stopped)"
         on_gone("the Ray cluster is gone" if not port_open(gcs) else node)
 
-    return RayWatch(reachable).start(stop, gone)
+    return RayWatch(reachable, gcs=gcs).start(stop, gone)

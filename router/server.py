@@ -246,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         print("tandem: shutting down ...", flush=True)
         # a joined Ray's GCS gone: every Ray call would block. Ray of this command's own: its
-        # bounded steps still stop what answers, and ray.shutdown the processes it started
-        ray_gone = watch.gone.is_set() and cluster.joined_ray
+        # bounded steps still stop what answers, and ray.shutdown the processes it started;
+        # unless its GCS refuses already (SIGTERM to the whole process group, as `systemctl
+        # stop` sends it): then the first Ray step waited out its bound (10 s) for nothing
+        ray_gone = (watch.gone.is_set() and cluster.joined_ray) or watch.gcs_refuses()
         if watch.gone.is_set():
             code = 1  # not a stop anyone asked for: a supervisor restarts it
         if cluster.keeps_pools and not ray_gone:

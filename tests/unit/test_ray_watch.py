@@ -51,3 +51,13 @@ def test_stop_ends_the_watch_without_calling_back() -> None:
     stop.set()
     time.sleep(0.05)
     assert not watch.gone.is_set()
+
+
+def test_a_gcs_that_refuses_is_known_at_once_for_the_stop() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        watch = RayWatch(lambda: True, gcs=f"127.0.0.1:{s.getsockname()[1]}")
+        assert not watch.gcs_refuses()
+    assert watch.gcs_refuses() and not watch.gone.is_set()  # no GONE_AFTER_S wait for a stop to know it
+    assert not RayWatch(lambda: True).gcs_refuses()  # no GCS known: Ray's steps run, bounded
