@@ -101,12 +101,12 @@ def test_penalties_and_logit_bias_match_hf_and_openais_formula(engine_fp32: Engi
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, repetition_penalty=1.3,
                             presence_penalty=0.6, frequency_penalty=0.4, logit_bias=bias)  # fmt: skip
     repetition = RepetitionPenaltyLogitsProcessor(penalty=1.3)
-    changed = 0
-    for text in [tok.apply_chat_template([{"role": "user", "content": t}]) for t in CHAT[:3]] + RAW[:2]:
-        prompt = tok.encode(text)
-        ours = engine_fp32.generate([prompt], params)[0].token_ids
-        plain = engine_fp32.generate([prompt], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0]
-        changed += ours != plain.token_ids
+    texts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in CHAT[:3]] + RAW[:2]
+    prompts = [tok.encode(text) for text in texts]
+    answers = [o.token_ids for o in engine_fp32.generate(prompts, params)]  # one batch, as served
+    plain = engine_fp32.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    changed = sum(ours != p.token_ids for ours, p in zip(answers, plain, strict=True))
+    for text, prompt, ours in zip(texts, prompts, answers, strict=True):
         ref = hf_logits(hf_model, prompt + ours)
         for j, token in enumerate(ours):
             x = ref[len(prompt) + j - 1].clone()
