@@ -65,7 +65,7 @@ _SENTENCES: tuple[tuple[frozenset[str], str], ...] = (
         frozenset({"EngineFailedError"}),
         "the engine failed on this request; the server log has the details under this response's x-request-id",
     ),
-    (_WORKER_GONE, "a worker stopped while serving this request; retry later"),
+    (_WORKER_GONE, "a worker stopped or stopped answering while serving this request; retry later"),
     (frozenset({"WorkerDraining"}), "the worker is draining; retry later"),
     (frozenset({"KVTransferError"}), "moving the prompt's KV cache between workers failed; retry later"),
     (frozenset({"StreamEndedError"}), "the worker's token stream ended before the request finished; retry later"),

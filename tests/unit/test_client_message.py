@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from cluster.cluster import NoWorkerError
 from cluster.outputs import StreamOutput
-from cluster.request_run import EngineFailedError
+from cluster.request_run import EngineFailedError, WorkerDiedError
 from cluster.routing import Route
 from cluster.state import StateUnavailable
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -42,6 +42,7 @@ RAY_DUMP = (
     "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready."
 )
 TIMEOUT = "the workers did not answer in time; retry later"
+WORKER_LOST = "a worker stopped or stopped answering while serving this request; retry later"
 ENGINE_FAILED = "the engine failed on this request; the server log has the details under this response's x-request-id"
 REQUEST = {"model": "fake-model", "messages": HELLO, "max_tokens": 6}
 
@@ -69,7 +70,8 @@ def assert_safe(message: str) -> None:
         (ray_task_error(ray.exceptions.GetTimeoutError("Get timed out")), TIMEOUT),
         (ray.exceptions.GetTimeoutError(RAY_DUMP), TIMEOUT),
         (ray_task_error(RuntimeError("boom")), WORKERS_FAILED),
-        (ray.exceptions.ActorDiedError(), "a worker stopped while serving this request; retry later"),
+        (ray.exceptions.ActorDiedError(), WORKER_LOST),
+        (WorkerDiedError("the request failed before its first token: worker d0 did not answer for 5.0 s"), WORKER_LOST),
         (StateUnavailable(f"redis://10.0.0.7:6379 refused\n{RAY_DUMP}"), STATE_DOWN),
         (NoWorkerError("no prefill + decode pair is up"), "no prefill + decode pair is up"),  # written for clients
         (NoWorkerError(f"no pair is up\n{RAY_DUMP}"), NO_WORKER),
