@@ -36,6 +36,10 @@ class ClusterConfig:
     # process that connects, so that workers export their spans where the router does
     worker_env: dict[str, str] = field(default_factory=lambda: otel_env(os.environ))
 
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+
 
 def bind_host() -> str:
     """The address this node's endpoints (decode workers' KV servers, the router's feed

@@ -155,6 +155,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="requests the router runs at once (default: 64 for each decode or colocated worker up, as pools change)",
     )
     ap.add_argument(
+        "--max-attempts",
+        type=int,
+        default=None,
+        help="pairs a request is tried on while it has no token yet, each time a worker dies or freezes under "
+        "it, before a 503 (default 2, at most 5)",
+    )
+    ap.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="times a stream moves to another pair mid-answer, each time a worker dies or freezes under it, "
+        "before it ends in an error (default 2)",
+    )
+    ap.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,

@@ -58,9 +58,9 @@ def _kv_room(cluster: Any) -> str:
     return f", KV for {tokens} tokens a worker" if blocks else ""
 
 
-FLAGS = {"max_running": "--max-running", "queue_timeout_s": "--queue-timeout", "colocate_below_tokens":
-         "--colocate-below", "local_below_tokens": "--local-below", "overflow_below_tokens": "--overflow-below",
-         "spill_streams": "--spill-streams"}  # fmt: skip
+FLAGS = {"max_running": "--max-running", "max_attempts": "--max-attempts", "queue_timeout_s": "--queue-timeout",
+         "colocate_below_tokens": "--colocate-below", "local_below_tokens": "--local-below",
+         "overflow_below_tokens": "--overflow-below", "spill_streams": "--spill-streams"}  # fmt: skip
 
 
 def _settings(args: argparse.Namespace) -> RouterSettings:
@@ -72,6 +72,7 @@ def _settings(args: argparse.Namespace) -> RouterSettings:
             port=args.port,
             model_name=args.served_model_name,
             max_running=args.max_running,
+            **({"max_attempts": args.max_attempts} if args.max_attempts is not None else {}),
             default_max_tokens=args.default_max_tokens,
             queue_timeout_s=args.queue_timeout,
             colocate_below_tokens=args.colocate_below,
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=args.transport,
             kv_tls=_kv_tls(args),
             write_back=args.write_back,
+            max_migrations=args.max_migrations,
             keep_pools=False if args.stop_pools else None,
         )
     except ValueError as e:

@@ -113,6 +113,8 @@ def test_a_bad_block_count_is_a_usage_error(blocks: str, capsys: pytest.CaptureF
     [
         (["--max-prefill-chunk", "-1"], "max_prefill_chunk must be >= 0"),
         (["--max-running", "0"], "--max-running: Input should be greater than or equal to 1"),
+        (["--max-attempts", "6"], "--max-attempts: Input should be less than or equal to 5"),
+        (["--max-migrations", "-1"], "max_migrations must be >= 0, got -1"),
         (["--queue-timeout", "0", "--spill-streams", "-1"], "--queue-timeout: Input should be greater than 0; --spill"),
     ],
 )
@@ -121,3 +123,12 @@ def test_a_bad_engine_or_router_option_is_one_line_before_anything_starts(flags:
         main(["--port", str(free_port()), *flags])
     assert str(exit_.value.code).startswith("tandem serve: ") and said in str(exit_.value.code)
     assert not ray.is_initialized()
+
+
+def test_the_retry_budgets_reach_the_router_and_the_cluster() -> None:
+    from router.serve_args import parse
+    from router.server import _settings
+
+    assert _settings(parse([])).max_attempts == 2 and parse([]).max_migrations == 2
+    args = parse(["--max-attempts", "4", "--max-migrations", "0"])
+    assert _settings(args).max_attempts == 4 and args.max_migrations == 0
