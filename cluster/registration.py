@@ -12,10 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from cluster.state import ClusterState, StateUnavailable
-from engine.worker_base import device_label
 
 HEARTBEAT_S = 0.5
 TTL_S = 3.0
@@ -59,7 +56,12 @@ class Registered:
     def _info(self) -> dict[str, Any]:
         info: dict[str, Any] = self.stats()  # type: ignore[attr-defined]
         info["node"] = socket.gethostname()
-        info.setdefault("device", device_label(torch.device("cpu")))  # stats() names it once loaded
+        if "device" not in info:  # stats() names it once loaded
+            import torch  # here, in the worker: the module is imported by the pool manager too
+
+            from engine.worker_base import device_label
+
+            info["device"] = device_label(torch.device("cpu"))
         info["healthy"] = True
         return info
 

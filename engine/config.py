@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.kv_codec import KV_DTYPES, KVCodec
 from engine.roles import ROLES, Role
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the pool manager reads configs, and starts
+    import torch  # faster without it (cluster/actors.py)
 
 CPU_PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk
 # "int8": weights quantized per channel, activations in fp32 (and the KV cache, unless kv_dtype says otherwise).
@@ -17,13 +18,9 @@ CPU_PREFILL_CHUNK = 512  # EngineConfig.prefill_chunk
 # dot products with AVX512-BF16, fp32 with AVX2), "torch" (its SDPA, fp32), "auto" (see there).
 PREFILL_ATTENTION = ("auto", "int8", "float", "torch")
 
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "int8": torch.float32,
-    "int4": torch.float32,
-}
+# each dtype's activations (and KV cache, unless kv_dtype says otherwise), as torch names them
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int8": "float32", "int4": "float32"}
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8")  # engine/kv_codec.py
 
 
 @dataclass(frozen=True)
@@ -115,6 +112,8 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         """The device every engine tensor lives on, `auto` resolved."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -156,10 +155,15 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """dtype of activations and of the KV cache."""
-        return DTYPES[self.weight_dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, DTYPES[self.weight_dtype])
+        return dtype
 
     @property
     def kv_storage(self) -> str:
         """kv_dtype, `auto` resolved as an engine of these weights resolves it (engine/kv_codec.py):
         for the startup line."""
+        from engine.kv_codec import KVCodec
+
         return KVCodec.of(self.kv_dtype, self.torch_dtype, self.weight_dtype in ("int8", "int4")).kind

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TokenLogprob
 from engine.request import Request
-from engine.sampler import TokenLogprob
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer

@@ -33,12 +33,11 @@ from engine.kv_codec import KVCodec
 from engine.linear import auto_dtype_reason, cpu_flags, has_int8_kernels
 from engine.model import LayerCallback, LlamaModel
 from engine.offline import generate
-from engine.outputs import Completion, KVHandoff, RequestOutput
+from engine.outputs import Completion, KVHandoff, RequestOutput, TokenLogprob
 from engine.paged_cache import PagedKVCache
 from engine.prefill_kernels import pick_prefill_attention
 from engine.request import Request, checked_prompt
 from engine.runner import ModelRunner
-from engine.sampler import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculation import speculator_for

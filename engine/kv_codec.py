@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "fp8")
+from engine.config import KV_DTYPES
+
 _FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CODED = {"int8": (torch.int8, 127.0), "fp8": (torch.uint8, 448.0)}
 SCALE_BYTES = 4

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.outputs import RequestOutput
-from engine.sampler import TokenLogprob
+from engine.outputs import RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)

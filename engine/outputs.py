@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampler import TokenLogprob
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's logprob under the model and the top-N alternatives, highest first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.request import Request
-from engine.sampler import TokenLogprob
 
 SLICE_ROWS = 64
 

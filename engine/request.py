@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.cache_keys import DECODE_ROW, cache_keys, decode_from
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

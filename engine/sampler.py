@@ -7,20 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.penalties import SeenTokens, apply_penalties
 from engine.sampling_params import SamplingParams
 
 _SEED_MIX = 1_000_003
 _SEED_MASK = (1 << 63) - 1
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's logprob under the model and the top-N alternatives, highest first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)

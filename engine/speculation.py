@@ -41,9 +41,8 @@ from engine.config import EngineConfig
 from engine.drafters import Draft, OutputTree, PromptLookup, SuffixDrafter
 from engine.grammar import grammatical
 from engine.kv_cache import KVCacheManager
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import TokenLogprob
 from engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from fastapi import Response
 from fastapi.responses import JSONResponse
 
 from cluster.outputs import StreamOutput
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from router.dispatch import Dispatcher, Run
 from router.echo import Echo

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cluster.outputs import StreamOutput
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 
 UNSCORED = math.nan  # the logprob of a prompt's first token, which nothing predicts: null to the client
 

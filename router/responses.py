@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cluster.outputs import StreamOutput
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.tokenizer import Tokenizer
 
 # What OpenAI reports for a token of no probability: JSON has no -inf (nor NaN).

@@ -20,7 +20,7 @@ from cluster.cluster import NoWorkerError, WorkerDiedError
 from cluster.outputs import Placement, StreamOutput
 from cluster.routing import Route, plan_route
 from cluster.worker_view import WorkerView
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.app import create_app

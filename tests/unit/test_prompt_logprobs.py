@@ -11,7 +11,7 @@ import pytest
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.model import LlamaModel
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from tests.unit.tiny import make_engine
 

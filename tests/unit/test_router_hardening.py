@@ -14,7 +14,7 @@ from tokenizers import NormalizedString, PreTokenizedString, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 
-from engine.sampler import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.tokenizer import Tokenizer
 from router.app import create_app
 from router.responses import NO_PROBABILITY, Shape
