@@ -171,6 +171,7 @@ def state_unavailable(e: BaseException, retry_after_s: int) -> APIError:
 def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
     """The answer for an exception raised while serving a request."""
     from cluster.cluster import NoWorkerError
+    from cluster.request_run import WorkerDiedError
 
     if isinstance(e, APIError):
         return e
@@ -188,7 +189,10 @@ def as_api_error(e: BaseException, retry_after_s: int = 1) -> APIError:
     if isinstance(e, NoWorkerError):  # no traceback to log: routing found nothing
         log.warning("request %s: no worker: %s", REQUEST_ID.get(), e)
         return APIError(503, client_message(e), code="no_worker", headers=retry)
-    log.error("request %s failed on the workers", REQUEST_ID.get(), exc_info=e)
+    if isinstance(e, WorkerDiedError):  # its text says which worker and how; the router's stack adds nothing
+        log.error("request %s failed on the workers: %s: %s", REQUEST_ID.get(), type(e).__name__, e)
+    else:
+        log.error("request %s failed on the workers", REQUEST_ID.get(), exc_info=e)
     if "EngineFailedError" in {c.__name__ for c in type(e).__mro__}:  # a bug, likely again on a retry
         return APIError(500, client_message(e), code="engine_error")
     return APIError(503, client_message(e), code="worker_error", headers=retry)

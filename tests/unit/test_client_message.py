@@ -154,6 +154,24 @@ def test_a_ray_dump_before_the_first_token_is_a_503_with_one_line(
     assert logged and logged[0] and logged[0][1] is backend.failure  # the log has it whole, under the request id
 
 
+def test_a_lost_worker_is_logged_in_one_line_and_a_bug_with_its_traceback(
+    backend: FailingBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that died or froze under a request is an event of the cluster, not of the router's
+    code: its text names the worker and how, and the router's stack would add 25 lines to each."""
+    backend.failure = WorkerDiedError("the request failed before its first token: worker p7 died (ActorDiedError)")
+    with caplog.at_level("ERROR", logger="tandem.router"):
+        r = client(backend).post(CHAT, json=REQUEST, headers={"x-request-id": "lost-1"})
+        backend.failure = RuntimeError("a bug")
+        client(backend).post(CHAT, json=REQUEST, headers={"x-request-id": "bug-1"})
+    assert r.status_code == 503 and openai_error(r.json(), "worker_error") == WORKER_LOST
+    (lost,) = [rec for rec in caplog.records if "lost-1" in rec.getMessage()]
+    assert lost.exc_info is None and "WorkerDiedError: the request failed" in lost.getMessage()
+    assert "worker p7 died (ActorDiedError)" in lost.getMessage()
+    (bug,) = [rec for rec in caplog.records if "bug-1" in rec.getMessage()]
+    assert bug.exc_info and bug.exc_info[1] is backend.failure
+
+
 def test_a_failure_mid_stream_ends_with_the_same_safe_message(backend: FailingBackend) -> None:
     backend.fail_after = 3
     chunks = events(client(backend).post(CHAT, json={**REQUEST, "stream": True}).text)
