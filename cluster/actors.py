@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from engine.messages import TokenOutput
     from engine.outbox import Item
     from engine.outputs import RequestOutput
-    from engine.worker_base import WorkerBase
+    from engine.worker_base import WorkerBase, WorkerDraining
     from kv_transfer.write_back import WriteBackResult, WriteBackTicket
     from prefill_workers.worker import PrefillResult, PrefillWorker
 
@@ -66,7 +66,7 @@ def _prefill() -> type[PrefillWorker]:
     return PrefillWorker
 
 
-def _draining(message: str) -> Exception:
+def _draining(message: str) -> WorkerDraining:
     from engine.worker_base import WorkerDraining
 
     return WorkerDraining(message)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.config import KV_DTYPES, PREFILL_ATTENTION
 from router import autoscale_flags
-
-PREFILL_KERNELS = ("auto", "int8", "float", "torch")  # engine.config.PREFILL_ATTENTION, without importing torch
 
 
 def _port(text: str) -> int:
@@ -57,14 +56,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--kv-dtype",
         default=env("TANDEM_KV_DTYPE", "auto"),
-        choices=["auto", "fp32", "bf16", "fp16", "int8", "fp8"],  # engine.kv_codec.KV_DTYPES, without importing torch
+        choices=KV_DTYPES,
         help="how KV caches store keys and values, and what P/D moves: auto = as the activations; int8/fp8: "
         "per-token-head scaled codes, about a quarter of fp32's bytes (lossy: see the README)",
     )
     ap.add_argument(
         "--prefill-attention",
         default=env("TANDEM_PREFILL_ATTENTION", "auto"),
-        choices=PREFILL_KERNELS,
+        choices=PREFILL_ATTENTION,
         help="prefill chunks' attention kernel on the CPU: auto = int8 (AVX512-VNNI) with int8/int4 weights, "
         "torch's SDPA with float ones; float: bf16 dot products (AVX512-BF16) or fp32 (AVX2)",
     )
