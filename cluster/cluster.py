@@ -251,12 +251,13 @@ class Cluster:
             self.ledger.end(rid)
             raise
 
-    def shutdown(self, ray_gone: bool = False) -> Outcome:
+    def shutdown(self, ray_gone: bool = False, ray_down: Callable[[], bool] = lambda: False) -> Outcome:
         """Stop what this Cluster started: the pool manager and its workers (unless it keeps the
         pools: `keeps_pools`), the embedded Redis, local Ray. Every step is bounded and runs even
         if an earlier one failed (Redis or Ray may already be gone: see cluster.shutdown).
         `ray_gone`: the Ray cluster is known to be gone (a joined one brought down), and with it
-        the manager and the workers: no Ray step."""
+        the manager and the workers: no Ray step. `ray_down`: whether Ray is gone now (its GCS
+        refuses connections: router.ray_watch), asked before and during each Ray step."""
         steps = [Step("routing view", self.view.stop), Step("token feeds", self.feeds.shutdown)]
         if not self.keeps_pools:
             steps += [
@@ -269,8 +270,9 @@ class Cluster:
         if self._redis is not None:
             steps.append(Step("redis-server", self._redis.stop))
         if self.owns_ray:
-            steps.append(Step("ray", ray.shutdown, ray=True))  # from a joined cluster: only this driver leaves
+            # joined: only this driver leaves; started here: it stops the GCS and the rest
+            steps.append(Step("ray", ray.shutdown, ray=True, stops_ray=not self.joined_ray))
         if not self.keeps_pools:
             steps.append(Step("kv caches", shm_files.sweep))  # what this host's killed workers left in /dev/shm
             steps.append(Step("core ledger", lambda: ledger_path(self.config.namespace).unlink(missing_ok=True)))
-        return run_steps(steps, ray_gone)
+        return run_steps(steps, ray_gone, ray_down)

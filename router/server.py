@@ -249,15 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         print("tandem: shutting down ...", flush=True)
         # a joined Ray's GCS gone: every Ray call would block. Ray of this command's own: its
         # bounded steps still stop what answers, and ray.shutdown the processes it started;
-        # unless its GCS refuses already (SIGTERM to the whole process group, as `systemctl
-        # stop` sends it): then the first Ray step waited out its bound (10 s) for nothing
-        ray_gone = (watch.gone.is_set() and cluster.joined_ray) or watch.gcs_refuses()
+        # unless its GCS refuses connections (SIGTERM to the whole process group, as `systemctl
+        # stop` sends it): a Ray step waited out its bound (10 s) for nothing (`ray_down`)
+        ray_gone = watch.gone.is_set() and cluster.joined_ray
         if watch.gone.is_set():
             code = 1  # not a stop anyone asked for: a supervisor restarts it
         if cluster.keeps_pools and not ray_gone:
             print("tandem: leaving the pools running for the cluster and its other routers (--stop-pools: "
                   "stop them)", flush=True)  # fmt: skip
-        outcome = cluster.shutdown(ray_gone=ray_gone)
+        outcome = cluster.shutdown(ray_gone=ray_gone, ray_down=watch.gcs_refuses)
         print("tandem: stopped", flush=True)
     if not outcome.ray_answered:
         stopping.exit_past_ray(code)

@@ -5,10 +5,11 @@ answers them either)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from cluster.shutdown import Outcome, Step, run_steps
+from cluster.shutdown import LOOK_S, Outcome, Step, run_steps
 
 
 def test_every_step_runs_in_order_and_a_failing_one_does_not_stop_the_rest(caplog: pytest.LogCaptureFixture) -> None:
@@ -61,3 +62,51 @@ def test_ray_known_gone_skips_every_ray_step_from_the_first() -> None:
     )
     assert ran == ["redis"]
     assert outcome == Outcome(done=("redis-server",), left_behind=(), skipped=("kill actors",), ray_answered=False)
+
+
+def test_ray_down_now_skips_the_ray_steps_and_a_waiting_one_gives_up_when_ray_goes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`ray_down` (Ray's GCS refuses connections): asked before each Ray step, and while one waits,
+    so a GCS that dies beside the caller (a whole process group SIGTERMed) costs ~LOOK_S, not the
+    step's 10 s bound."""
+    ran: list[str] = []
+    outcome = run_steps(
+        [Step("kill", lambda: ran.append("kill"), ray=True), Step("redis", lambda: None)], ray_down=lambda: True
+    )
+    assert ran == [] and outcome == Outcome(done=("redis",), left_behind=(), skipped=("kill",), ray_answered=False)
+
+    hung, down_at = threading.Event(), time.monotonic() + 0.3
+    try:
+        t0 = time.monotonic()
+        outcome = run_steps(
+            [Step("kill", hung.wait, bound_s=10.0, ray=True), Step("ray", lambda: ran.append("ray"), ray=True)],
+            ray_down=lambda: time.monotonic() >= down_at,
+        )
+        took = time.monotonic() - t0
+    finally:
+        hung.set()
+    assert outcome == Outcome(done=(), left_behind=("kill",), skipped=("ray",), ray_answered=False)
+    assert ran == [] and took < 0.3 + 2 * LOOK_S + 0.5, took
+    assert "kill left behind: Ray's GCS refuses connections now" in caplog.text
+
+
+def test_a_ray_step_that_returns_is_not_cut_short_by_a_ray_that_answers() -> None:
+    slow = threading.Event()
+    threading.Timer(0.6, slow.set).start()
+    outcome = run_steps([Step("kill", slow.wait, bound_s=5.0, ray=True)], ray_down=lambda: False)
+    assert outcome == Outcome(done=("kill",), left_behind=(), skipped=(), ray_answered=True)
+
+
+def test_ray_shutdown_that_stops_the_gcs_itself_is_not_cut_short() -> None:
+    """A normal stop: ray.shutdown takes the GCS down first, then the rest; `ray_down` turning
+    true meanwhile is its own doing, not a hang."""
+    gcs_up = threading.Event()
+    gcs_up.set()
+
+    def shutdown() -> None:
+        gcs_up.clear()
+        time.sleep(3 * LOOK_S)
+
+    outcome = run_steps([Step("ray", shutdown, ray=True, stops_ray=True)], ray_down=lambda: not gcs_up.is_set())
+    assert outcome == Outcome(done=("ray",), left_behind=(), skipped=(), ray_answered=True)
