@@ -27,18 +27,18 @@ from cluster.config import bind_host
 from cluster.feed_channel import Pushers
 from cluster.registration import PublishesBlocks, Registered
 from engine.config import EngineConfig
+from engine.errors import WorkerDraining
 from kv_transfer.security import KVTLSConfig
 
-# The workers (the engine, torch) are imported where an actor runs, not here: the pool manager
-# imports these classes to start actors, and it starts them first thing. Its imports took 2.1 s
-# with the engine, 0.4 s without; a 1P+1D cluster is up in 7.3-9.1 s, not 8.5-11.8 (3 runs each).
+# The workers (the engine, torch) are imported where an actor runs: the pool manager imports these
+# classes to start actors, first thing (its imports: 2.1 s with the engine, 0.4 s without).
 if TYPE_CHECKING:
     from decode_workers.colocated import ColocatedWorker
     from decode_workers.worker import DecodeWorker
     from engine.messages import TokenOutput
     from engine.outbox import Item
     from engine.outputs import RequestOutput
-    from engine.worker_base import WorkerBase, WorkerDraining
+    from engine.worker_base import WorkerBase
     from kv_transfer.write_back import WriteBackResult, WriteBackTicket
     from prefill_workers.worker import PrefillResult, PrefillWorker
 
@@ -64,12 +64,6 @@ def _prefill() -> type[PrefillWorker]:
     from prefill_workers.worker import PrefillWorker
 
     return PrefillWorker
-
-
-def _draining(message: str) -> WorkerDraining:
-    from engine.worker_base import WorkerDraining
-
-    return WorkerDraining(message)
 
 
 def _lane(group: str) -> Callable[[_F], _F]:
@@ -204,7 +198,7 @@ class PDActor(_Hosted, PublishesBlocks):
             old.draining = False
             return 0.0
         if not old.draining:
-            raise _draining(f"worker {old.worker_id} must be drained before it flips")
+            raise WorkerDraining(f"worker {old.worker_id} must be drained before it flips")
         if not self.idle():
             raise ValueError(f"worker {old.worker_id} still has work in flight")
         from engine.role_switch import check_switch
@@ -217,7 +211,7 @@ class PDActor(_Hosted, PublishesBlocks):
 
     def _as(self, kind: type[_W]) -> _W:
         if not isinstance(self.w, kind):
-            raise _draining(f"worker {self.w.worker_id} serves {self.w.role} now")
+            raise WorkerDraining(f"worker {self.w.worker_id} serves {self.w.role} now")
         return self.w
 
     def _publish_on_finish(self, outs: list[RequestOutput]) -> None:

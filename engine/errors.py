@@ -36,3 +36,7 @@ class UnknownRequestError(EngineError, KeyError):
 
 class StreamError(EngineError):
     """The request failed inside the engine loop (the message says why): its stream's end."""
+
+
+class WorkerDraining(EngineError):
+    """The worker is draining: it finishes what it has and takes nothing new."""

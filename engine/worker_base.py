@@ -19,7 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core_ledger import CoreLedger
 from engine.engine import Engine
-from engine.errors import EngineError
+from engine.errors import WorkerDraining
 from engine.loop import EngineLoop
 from engine.messages import TokenOutput
 from engine.outbox import Item, Outboxes
@@ -46,10 +46,6 @@ def device_label(device: torch.device) -> str:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     return f"cuda:{index} {props.name}, {props.total_memory / 1e9:.0f} GB"
-
-
-class WorkerDraining(EngineError):
-    """The worker is draining: it finishes what it has and takes nothing new."""
 
 
 class WorkerBase:

@@ -247,10 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         loaded.set()
         stop.set()
         print("tandem: shutting down ...", flush=True)
-        # a joined Ray's GCS gone: every Ray call would block. Ray of this command's own: its
-        # bounded steps still stop what answers, and ray.shutdown the processes it started;
-        # unless its GCS refuses connections (SIGTERM to the whole process group, as `systemctl
-        # stop` sends it): a Ray step waited out its bound (10 s) for nothing (`ray_down`)
+        # a joined Ray's GCS gone: every Ray call would block. Ray of this command's own: its bounded
+        # steps still stop what answers, and ray.shutdown the processes it started; a GCS refusing
+        # connections (a whole-group SIGTERM, as `systemctl stop` sends) skips them (`ray_down`)
         ray_gone = watch.gone.is_set() and cluster.joined_ray
         if watch.gone.is_set():
             code = 1  # not a stop anyone asked for: a supervisor restarts it

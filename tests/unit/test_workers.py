@@ -14,8 +14,8 @@ import pytest
 from decode_workers.colocated import ColocatedWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.errors import WorkerDraining
 from engine.sampling_params import SamplingParams
-from engine.worker_base import WorkerDraining
 from kv_transfer.errors import KVTransferError
 from prefill_workers.worker import PrefillResult, PrefillWorker
 
