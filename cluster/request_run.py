@@ -104,11 +104,11 @@ class RequestRun:
                     yield StreamOutput.of_token(out.shifted(len(prompt), earlier), placement, migrations)
                 return
             except AttemptFailed as e:
-                died = EngineFailedError if isinstance(e, EngineFault) else WorkerDiedError
                 if not emitted:
-                    raise died(f"the request failed before its first token: {e}", e.suspect) from None
+                    raise _failed(e, f"the request failed before its first token: {e}", e.suspect) from None
                 if self.migrations >= max_migrations:
-                    raise died(f"the request failed after {self.migrations} migration(s): {e}", e.suspect) from None
+                    after = f"the request failed after {self.migrations} migration(s): {e}"
+                    raise _failed(e, after, e.suspect) from None
                 route = self._reroute(reroute, prompt + emitted, _after(params, len(emitted)), route, e)
                 self.migrations += 1
                 attempt_id = f"{self.request_id}.m{self.migrations}"
@@ -122,8 +122,13 @@ class RequestRun:
         try:
             return reroute(prompt, params, exclude)
         except EngineError as no_route:
-            died = EngineFailedError if isinstance(e, EngineFault) else WorkerDiedError
-            raise died(f"{e}; no other worker to continue on ({no_route})") from None
+            raise _failed(e, f"{e}; no other worker to continue on ({no_route})") from None
+
+
+def _failed(e: AttemptFailed, message: str, suspect: str | None = None) -> WorkerDiedError:
+    """The request's end after attempt failure `e`: EngineFailedError where its engine failed on
+    it (a bug, likely met again elsewhere), else WorkerDiedError."""
+    return (EngineFailedError if isinstance(e, EngineFault) else WorkerDiedError)(message, suspect)
 
 
 def _after(params: SamplingParams, emitted: int) -> SamplingParams:
