@@ -52,6 +52,7 @@ class Guide:
 
     kind: Literal["json", "json_schema", "regex"]
     spec: str = ""
+    field: str = "response_format"  # the request's field that asked for it, which an error names
 
     def __post_init__(self) -> None:
         if self.kind not in ("json", "json_schema", "regex"):
@@ -111,9 +112,7 @@ class Grammars:
             return compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
         except Exception as e:  # xgrammar raises RuntimeError (or its own) on what it cannot use
             why = _XGRAMMAR_SOURCE.sub("", (str(e).strip().splitlines() or [type(e).__name__])[0])
-            raise InvalidRequestError(
-                f"the {guide.kind} guide cannot be used: {why[:300]}", "response_format"
-            ) from None
+            raise InvalidRequestError(f"the {guide.kind} guide cannot be used: {why[:300]}", guide.field) from None
 
     def _new_compiler(self) -> Any:
         """Built once, by the first guided request, while any others that came with it wait: each

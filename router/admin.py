@@ -18,8 +18,8 @@ from pydantic import Field
 from engine.roles import FLIPPABLE, ROLES
 from router.auth import admin_check
 from router.backend import Backend
+from router.bodies import StrictBody
 from router.errors import APIError, admin_error
-from router.requests import StrictBody
 from router.settings import RouterSettings
 
 T = TypeVar("T")

@@ -120,6 +120,7 @@ async def _serve(
         if body.model is not None and body.model != (d.settings.model_name or model.name):
             raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         body.check_supported()
+        shape.tools = body.tool_plan if isinstance(body, ChatCompletionRequest) else None
         # a short prompt tokenizes in tens of microseconds: less than a hop to a thread and back
         inline = body.prompt_chars <= INLINE_TOKENIZE_CHARS
         prompts = [

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, cast
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.grammar import Guide
 from engine.sampling_params import MAX_REPETITION_PENALTY, SamplingParams
 from router.answer_marks import answer_spans
 from router.backend import ModelInfo
+from router.bodies import StrictBody
+from router.chat_messages import Message, template_messages
 from router.errors import REQUEST_ID, APIError
 from router.prompt_tokens import PromptTokens, check_fits, encode
 from router.response_format import guide_of
+from router.tools import Tool, ToolChoice, ToolPlan, tool_plan
 
 log = logging.getLogger("tandem.router")
 
@@ -26,13 +30,6 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_N = 16  # choices one request may ask for (router/choices.py): each runs as a request of its own
 MAX_CHOICES = 64  # ... and over all its prompts (a completion's list), n of each
-
-
-class StrictBody(BaseModel):
-    """A request body (OpenAI's here, the admin API's in router/admin.py). Unknown fields are
-    ignored, as OpenAI-compatible servers do; known ones are type-checked strictly."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class StreamOptions(StrictBody):
@@ -146,12 +143,16 @@ class _Common(StrictBody):
             logit_bias=self._bias(model.tokenizer.vocab_size),
             min_tokens=self.min_tokens,
             prompt_logprobs=self.prompt_logprobs,
-            guide=guide_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice),
+            guide=self._guide(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             skip_special_tokens=self.skip_special_tokens,
         )
         params.validate_for_vocab(model.tokenizer.vocab_size)  # stop token ids here, not on a worker
         return params
+
+    def _guide(self) -> Guide | None:
+        """What the answer's grammar holds it to (router/response_format.py), if anything."""
+        return guide_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice)
 
     def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; APIError (400) for a key that is not a token id
@@ -166,34 +167,35 @@ class _Common(StrictBody):
         return tuple(pairs)
 
 
-class TextPart(StrictBody):
-    type: Literal["text"]
-    text: str
-
-
-class Message(StrictBody):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
 class ChatCompletionRequest(_Common):
     messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None  # router/tools.py
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # only an explicit true asks for a list of calls (router/tools.py)
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls is True)
+        if plan is not None and super()._guide() is not None:
+            raise APIError(400, "tools (unless tool_choice is none) hold the answer to their own JSON: "
+                           "leave out response_format and guided_*", param="tool_choice")  # fmt: skip
+        self._tool_plan = plan
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def _guide(self) -> Guide | None:
+        return self._tool_plan.guide if self._tool_plan is not None else super()._guide()
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """What its tools ask of the answer (set by check_supported); None for plain text."""
+        return self._tool_plan
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -202,7 +204,7 @@ class ChatCompletionRequest(_Common):
         the earlier answers (SamplingParams.decoded), to be prefilled all the same unless
         `exact_history`. Raises InvalidRequestError (400) for whatever the template or the
         tokenizer refuses, PromptTooLongError (413) for a text that cannot fit the context."""
-        messages = [m.as_template_input() for m in self.messages]
+        messages = template_messages(self.messages, self._tool_plan, self.parallel_tool_calls is True)
         try:
             text = model.tokenizer.apply_chat_template(messages)
         except InvalidRequestError:
@@ -221,8 +223,7 @@ class ChatCompletionRequest(_Common):
     @property
     def prompt_chars(self) -> int:
         """Characters to template and tokenize."""
-        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
-                   for m in self.messages)  # fmt: skip
+        return sum(len(m.text) + sum(len(c.function.arguments) for c in m.tool_calls or ()) for m in self.messages)
 
     @property
     def logprobs_n(self) -> int | None:

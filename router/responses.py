@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from cluster.outputs import StreamOutput
 from engine.outputs import TokenLogprob
 from engine.tokenizer import Tokenizer
+from router.tools import ToolPlan
 
 # What OpenAI reports for a token of no probability: JSON has no -inf (nor NaN).
 NO_PROBABILITY = -9999.0
@@ -32,6 +33,8 @@ class Shape:
     model: str
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None  # a chat whose answers are tool calls (router/tools.py)
+    held: dict[int, list[str]] = field(default_factory=dict)  # ... streamed: each choice's text, read at its end
 
     @property
     def object(self) -> str:
@@ -76,7 +79,12 @@ class Shape:
         if delta:
             body: dict[str, Any] = {} if text is None else {"content": text}
             return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish}
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            answer = self.tools.answer(text or "", finish)
+            message["content"], finish = answer.content, answer.finish(finish)
+            if answer.calls:
+                message["tool_calls"] = [c.body() for c in answer.calls]
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(
@@ -169,6 +177,8 @@ def output_chunks(
     """The stream chunks for one output of choice `index` (none, one, or two: a chat's text, then
     its finish reason), and the choice's text offset after it."""
     chat = shape.kind == "chat"
+    if chat and shape.tools is not None:
+        return _tool_chunks(shape, shape.tools, out, offset, include_usage, index), offset + len(out.text)
     text = out.text
     lp = shape.logprobs(out.logprobs, offset)
     finish = out.finish_reason if out.finished else None
@@ -179,3 +189,22 @@ def output_chunks(
         bodies.append(shape.chunk(None if chat else text, finish, None if chat else lp,
                                   include_usage=include_usage, index=index))  # fmt: skip
     return bodies, offset + len(text)
+
+
+def _tool_chunks(
+    shape: Shape, plan: ToolPlan, out: StreamOutput, offset: int, include_usage: bool, index: int
+) -> list[dict[str, Any]]:
+    """A tool-calling choice's chunks for one output: its text is held until the answer ends (only
+    then does its JSON say what it is), its logprobs go as they come (with an empty delta). At the
+    end: the calls, each with its index, or the content; then the finish reason."""
+    held = shape.held.setdefault(index, [])
+    held.append(out.text)
+    lp = shape.logprobs(out.logprobs, offset)
+    bodies = [shape.chunk(None, None, lp, include_usage=include_usage, index=index)] if lp else []
+    if out.finished and out.finish_reason:
+        answer = plan.answer("".join(held), out.finish_reason)
+        last = shape.chunk(answer.content, include_usage=include_usage, index=index)
+        if answer.calls:
+            last["choices"][0]["delta"] = {"tool_calls": [c.body(i) for i, c in enumerate(answer.calls)]}
+        bodies += [last, shape.chunk(None, answer.finish(out.finish_reason), include_usage=include_usage, index=index)]
+    return bodies

@@ -13,9 +13,12 @@ from pydantic import Field
 
 from router.auth import api_key_check
 from router.backend import ModelInfo
+from router.bodies import StrictBody
+from router.chat_messages import Message
 from router.errors import APIError, as_api_error
-from router.requests import ChatCompletionRequest, CompletionRequest, Message, StrictBody
+from router.requests import ChatCompletionRequest, CompletionRequest
 from router.settings import RouterSettings
+from router.tools import Tool, ToolChoice
 
 INLINE_CHARS = 2048  # longer texts (or id lists) are tokenized (decoded) on a thread, off the event loop
 
@@ -24,6 +27,9 @@ class TokenizeBody(StrictBody):
     model: str | None = None  # none: the served model
     prompt: str | list[int] | None = None
     messages: list[Message] | None = None
+    tools: list[Tool] | None = None  # a chat's tools are described in its prompt (router/tools.py)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class DetokenizeBody(StrictBody):
@@ -51,11 +57,14 @@ def build(model: ModelInfo, settings: RouterSettings) -> APIRouter:
 
         def ids() -> list[int]:
             if messages is not None:
-                return ChatCompletionRequest(model=body.model, messages=messages).prompt_tokens(model).ids
+                tools = body.model_dump(include={"tools", "tool_choice", "parallel_tool_calls"}, exclude_none=True)
+                chat = ChatCompletionRequest.model_validate({"messages": messages, **tools})
+                chat.check_supported()  # its tools' plan, as the chat endpoint makes it
+                return chat.prompt_tokens(model).ids
             assert prompt is not None
             return CompletionRequest(model=body.model, prompt=prompt).prompt_tokens(model)[0].ids
 
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(str(m.content)) for m in messages or ())
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m.text) for m in messages or ())
         try:
             tokens = ids() if chars <= INLINE_CHARS else await asyncio.to_thread(ids)
         except Exception as e:  # the template's or the tokenizer's refusal, as the API answers it

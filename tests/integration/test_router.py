@@ -176,6 +176,36 @@ def test_openai_sdk_chat_and_completions(sdk: openai.OpenAI, model: str) -> None
     assert len({c.message.content for c in many.choices}) > 1  # three seeds, not one answer thrice
 
 
+WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                                "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_openai_sdk_tool_calls_through_pd(sdk: openai.OpenAI, model: str) -> None:
+    """Tool calling (router/tools.py) as an agent loop drives it through the SDK: the call, whole
+    and streamed alike (the SDK assembles the deltas), its result sent back, the next turn."""
+    ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        whole = sdk.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice=choice,
+                                            max_tokens=48, temperature=0)  # fmt: skip
+        (c,) = whole.choices
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        (call,) = c.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert set(json.loads(call.function.arguments)) == {"city"}
+    stream = sdk.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice="required",
+                                         max_tokens=48, temperature=0, stream=True)  # fmt: skip
+    deltas = [ch.choices[0] for ch in stream if ch.choices]
+    (streamed,) = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert streamed.index == 0 and streamed.function is not None and deltas[-1].finish_reason == "tool_calls"
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    turn = [*ask, c.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "cloudy", "celsius": 18}'}]  # fmt: skip
+    after = sdk.chat.completions.create(model=model, messages=turn, tools=[WEATHER], tool_choice="none",
+                                        max_tokens=24, temperature=0)  # fmt: skip
+    assert after.choices[0].message.content and not after.choices[0].message.tool_calls
+
+
 def test_bad_input_is_refused_and_the_router_stays_ready(url: str, model: str) -> None:
     chat = f"{url}/v1/chat/completions"
     cases: list[tuple[Any, int]] = [

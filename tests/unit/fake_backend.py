@@ -46,16 +46,18 @@ class FakeBackend:
     token_delay_s: float = 0.0
     control_error: Exception | None = None  # raised by every control-plane call: route, status, scale, drain
     malformed: bool = False  # outputs carry logprob entries the router cannot read (a backend bug)
+    answer: str | None = None  # when set, every stream is this text, then "stop" (TEXT over and over if not)
     started: list[str] = field(default_factory=list)
     traceparents: list[str | None] = field(default_factory=list)  # what each generate() was handed
     closed: list[str] = field(default_factory=list)
     routes: list[Route] = field(default_factory=list)
     params: list[SamplingParams] = field(default_factory=list)  # each generate's, in order
+    prompts: list[list[int]] = field(default_factory=list)  # ... and its prompt's ids
     event_log: list[tuple[str, dict[str, str]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.model = ModelInfo("fake-model", self.tokenizer, self.max_model_len, 1700000000)
-        self.text_ids = self.tokenizer.encode(TEXT)
+        self.text_ids = self.tokenizer.encode(TEXT if self.answer is None else self.answer)
 
     def _control(self) -> None:
         if self.control_error is not None:
@@ -80,6 +82,7 @@ class FakeBackend:
     ) -> Iterator[StreamOutput]:
         self.started.append(request_id)
         self.params.append(params)
+        self.prompts.append(list(prompt_ids))
         self.traceparents.append(traceparent)
         try:
             if self.gate is not None:
@@ -87,10 +90,11 @@ class FakeBackend:
             if route.workers & self.fail_before_first:
                 dead = sorted(route.workers & self.fail_before_first)
                 raise WorkerDiedError(f"{dead} died", dead[0])  # as the cluster names the worker it saw fail
-            for i in range(params.max_tokens):
+            count = params.max_tokens if self.answer is None else min(params.max_tokens, len(self.text_ids))
+            for i in range(count):
                 time.sleep(self.token_delay_s)
                 tok = self.text_ids[i % len(self.text_ids)]
-                last = i + 1 == params.max_tokens
+                last = i + 1 == count
                 logprobs = (
                     () if params.logprobs is None else (TokenLogprob(tok, -0.25, ((tok, -0.25),) * params.logprobs),)
                 )
@@ -105,11 +109,15 @@ class FakeBackend:
                         str(route.prefill or route.decode), route.decode, 0, 0.001, 0.01, 0.002, 4096, 0.002
                     )
                 yield StreamOutput(
-                    (tok,), self.tokenizer.decode([tok]), last, "length" if last else None, len(prompt_ids), i + 1,
+                    (tok,), self.tokenizer.decode([tok]), last, self._finish(i + 1) if last else None,
+                    len(prompt_ids), i + 1,
                     logprobs, prompt_logprobs=scored, placement=placement,
                 )  # fmt: skip
         finally:
             self.closed.append(request_id)
+
+    def _finish(self, tokens: int) -> str:
+        return "stop" if self.answer is not None and tokens == len(self.text_ids) else "length"
 
     def status(self) -> dict[str, Any]:
         self._control()

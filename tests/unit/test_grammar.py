@@ -89,8 +89,13 @@ def test_json_object_is_an_object_and_unguided_rows_are_left_alone(smollm_tokeni
 def test_what_cannot_be_guided_is_refused(smollm_tokenizer: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError, match="not JSON"):
         Guide("json_schema", "{not json")
-    with pytest.raises(InvalidRequestError, match="cannot be used"):
-        Grammars(smollm_tokenizer, smollm_tokenizer.vocab_size).matcher(Guide("json_schema", '{"type": "nonsense"}'))
+    grammars = Grammars(smollm_tokenizer, smollm_tokenizer.vocab_size)
+    with pytest.raises(InvalidRequestError, match="cannot be used") as refused:
+        grammars.matcher(Guide("json_schema", '{"type": "nonsense"}'))
+    assert refused.value.param == "response_format"
+    with pytest.raises(InvalidRequestError, match="cannot be used") as refused:  # router/tools.py's
+        grammars.matcher(Guide("json_schema", '{"type": "nonsense"}', field="tools"))
+    assert refused.value.param == "tools"
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         Grammars(None, 128).matcher(Guide("json"))
     with pytest.raises(InvalidRequestError, match="min_tokens"):

@@ -48,7 +48,7 @@ def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
          "messages[0].content[0].type", "'text'"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid string (and 1 more)"),
         ({"messages": HELLO, "stop": 5}, "stop", "valid string (and 1 more)"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'assistant'"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'tool'"),
         ({"messages": HELLO, "logit_bias": {"5": "x"}}, "logit_bias.5", "valid number"),
     ],
 )  # fmt: skip
