@@ -4,12 +4,20 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Literal
 
+import jinja2
 from pydantic import model_validator
 
+from engine.errors import InvalidRequestError
+from engine.tokenizer import Tokenizer
 from router.bodies import StrictBody
+from router.errors import REQUEST_ID
 from router.tools import ToolPlan, history_text
+
+log = logging.getLogger("tandem.router")
 
 
 class TextPart(StrictBody):
@@ -69,3 +77,29 @@ def template_messages(messages: list[Message], plan: ToolPlan | None, parallel: 
     if out and out[0]["role"] == "system":
         return [{"role": "system", "content": f"{out[0]['content']}\n\n{plan.system_text}"}, *out[1:]]
     return [{"role": "system", "content": plan.system_text}, *out]
+
+
+def render(tokenizer: Tokenizer, messages: Sequence[dict[str, str]], generation_prompt: bool, go_on: bool) -> str:
+    """The prompt: `messages` through the model's chat template, with the generation prompt or
+    not; `go_on` (vLLM's continue_final_message): without it, and cut after the final message's
+    text, so the answer goes on from there. InvalidRequestError (400) for what the template
+    refuses or fails on, and for a final message the template does not render as it was sent."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt and not go_on)
+    except InvalidRequestError:
+        raise
+    except jinja2.TemplateError as e:
+        log.info("request %s: the chat template failed: %r", REQUEST_ID.get(), e)
+        why = f": {e.message}" if e.message else ""
+        raise InvalidRequestError(f"the model's chat template rejected these messages{why}", "messages") from e
+    except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
+        log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
+        raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
+    if not go_on:
+        return text
+    final = messages[-1]["content"]
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the final message is empty, or the chat template "
+                                  "does not render its text as sent", "messages")  # fmt: skip
+    return text[: at + len(final)]

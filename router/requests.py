@@ -6,7 +6,6 @@ import logging
 from dataclasses import replace
 from typing import Any, ClassVar, cast
 
-import jinja2
 from pydantic import Field, PrivateAttr, model_validator
 
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -15,8 +14,8 @@ from engine.sampling_params import MAX_REPETITION_PENALTY, SamplingParams
 from router.answer_marks import answer_spans
 from router.backend import ModelInfo
 from router.bodies import StrictBody
-from router.chat_messages import Message, template_messages
-from router.errors import REQUEST_ID, APIError
+from router.chat_messages import Message, render, template_messages
+from router.errors import APIError
 from router.prompt_tokens import PromptTokens, check_fits, encode
 from router.response_format import guide_of
 from router.tools import Tool, ToolChoice, ToolPlan, tool_plan
@@ -175,6 +174,8 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None  # router/tools.py
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # only an explicit true asks for a list of calls (router/tools.py)
+    add_generation_prompt: bool = True  # extensions (vLLM's): false renders the messages alone
+    continue_final_message: bool = False  # the answer goes on from the final (assistant's) message's text
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
@@ -188,6 +189,11 @@ class ChatCompletionRequest(_Common):
         self._tool_plan = plan
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs an assistant's message last", param="messages")
+        if self.continue_final_message and plan is not None:
+            raise APIError(400, "continue_final_message with tools: a call starts an answer, it does not go on "
+                           "from one", param="continue_final_message")  # fmt: skip
 
     def _guide(self) -> Guide | None:
         return self._tool_plan.guide if self._tool_plan is not None else super()._guide()
@@ -196,8 +202,6 @@ class ChatCompletionRequest(_Common):
     def tool_plan(self) -> ToolPlan | None:
         """What its tools ask of the answer (set by check_supported); None for plain text."""
         return self._tool_plan
-        if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
     def prompt_tokens(self, model: ModelInfo, exact_history: bool = True) -> PromptTokens:
         """The messages through the model's chat template, then the tokenizer, with the spans of
@@ -205,19 +209,12 @@ class ChatCompletionRequest(_Common):
         `exact_history`. Raises InvalidRequestError (400) for whatever the template or the
         tokenizer refuses, PromptTooLongError (413) for a text that cannot fit the context."""
         messages = template_messages(self.messages, self._tool_plan, self.parallel_tool_calls is True)
-        try:
-            text = model.tokenizer.apply_chat_template(messages)
-        except InvalidRequestError:
-            raise
-        except jinja2.TemplateError as e:
-            log.info("request %s: the chat template failed: %r", REQUEST_ID.get(), e)
-            why = f": {e.message}" if e.message else ""
-            raise InvalidRequestError(f"the model's chat template rejected these messages{why}", "messages") from e
-        except Exception as e:  # a template may fail in its own code (a TypeError in an expression)
-            log.warning("request %s: the chat template failed", REQUEST_ID.get(), exc_info=e)
-            raise InvalidRequestError("the model's chat template could not render these messages", "messages") from e
+        text = render(model.tokenizer, messages, self.add_generation_prompt, self.continue_final_message)
         check_fits(model, text, "messages")
-        prompt = encode(model, text, "messages", answer_spans(model.tokenizer, messages, text))
+        spans = answer_spans(model.tokenizer, messages, text)
+        if self.continue_final_message:  # the client's text to go on from, not an answer to replay exactly
+            spans = [(a, b) for a, b in spans if b < len(text)]
+        prompt = encode(model, text, "messages", spans)
         return prompt if exact_history or not prompt.decoded else replace(prompt, decoded_as_prompt=True)
 
     @property

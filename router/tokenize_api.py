@@ -20,6 +20,7 @@ from router.requests import ChatCompletionRequest, CompletionRequest
 from router.settings import RouterSettings
 from router.tools import Tool, ToolChoice
 
+CHAT_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message"}
 INLINE_CHARS = 2048  # longer texts (or id lists) are tokenized (decoded) on a thread, off the event loop
 
 
@@ -30,6 +31,8 @@ class TokenizeBody(StrictBody):
     tools: list[Tool] | None = None  # a chat's tools are described in its prompt (router/tools.py)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class DetokenizeBody(StrictBody):
@@ -57,8 +60,8 @@ def build(model: ModelInfo, settings: RouterSettings) -> APIRouter:
 
         def ids() -> list[int]:
             if messages is not None:
-                tools = body.model_dump(include={"tools", "tool_choice", "parallel_tool_calls"}, exclude_none=True)
-                chat = ChatCompletionRequest.model_validate({"messages": messages, **tools})
+                fields = body.model_dump(include=CHAT_FIELDS, exclude_unset=True)
+                chat = ChatCompletionRequest.model_validate({"messages": messages, **fields})
                 chat.check_supported()  # its tools' plan, as the chat endpoint makes it
                 return chat.prompt_tokens(model).ids
             assert prompt is not None
