@@ -237,7 +237,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     # the value says most (a chat content part of type "image_url": its `type`, not "a string")
     first = max(errors, key=lambda e: len(_fields(e.get("loc", ()))))
     param = _param(first.get("loc", ()))
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    why = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own words, without pydantic's tag
+    message = f"{param}: {why}" if param else why
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more)"
     return APIError(400, message, param=param, code="invalid_value")

@@ -50,6 +50,7 @@ def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
         ({"messages": HELLO, "stop": 5}, "stop", "valid string (and 1 more)"),
         ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'tool'"),
         ({"messages": HELLO, "logit_bias": {"5": "x"}}, "logit_bias.5", "valid number"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "messages[0]: content is required"),
     ],
 )  # fmt: skip
 def test_a_validation_error_names_the_field_the_client_wrote(
@@ -58,6 +59,7 @@ def test_a_validation_error_names_the_field_the_client_wrote(
     """The error pydantic got deepest into the value with, without its tags for union members."""
     err = assert_openai_error(client(backend).post(CHAT, json={"model": "fake-model", **body}), 400, "invalid_value")
     assert err["param"] == param and err["message"].startswith(f"{param}: ") and says in err["message"], err
+    assert "Value error" not in err["message"], err  # pydantic's tag for a validator's own error
 
 
 def asgi_post(app: Any, headers: list[tuple[bytes, bytes]], chunks: Iterator[bytes]) -> tuple[list[Any], int]:
