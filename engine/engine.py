@@ -61,7 +61,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         codec = KVCodec.of(config.kv_dtype, model.dtype, model.quantized)
-        num_blocks = config.num_blocks or cache_blocks(model, codec, config, self.max_model_len)
+        num_blocks = cache_blocks(model, codec, config, self.max_model_len)  # the config's checked, or sized
         self.config = config = dataclasses.replace(config, num_blocks=num_blocks)  # None sized, as it ran
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         graphed = config.cuda_graphs and model.device.type == "cuda"

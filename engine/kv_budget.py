@@ -57,17 +57,37 @@ class KVBudget:
 
 
 def cache_blocks(model: LlamaModel, codec: KVCodec, config: EngineConfig, max_model_len: int) -> int:
-    """num_blocks for an engine whose config names none, on the model's device (logged)."""
+    """num_blocks for an engine on the model's device: the config's, checked against the memory
+    there, or where it names none, sized from it (logged). Raises ValueError for a count that
+    cannot fit: it used to be taken as asked, and 10^8 blocks' bookkeeping alone ate the host
+    until the kernel killed a process of its choosing (the pool manager, once)."""
     block_size = config.block_size
     size = block_bytes(model.config, block_size, codec)
     if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
-        sized = auto_blocks(size, block_size, max_model_len, free, GPU_SHARE, None)
+        room, _ = torch.cuda.mem_get_info(model.device)
+        host, cap = 1.0, None
     else:
-        share = cpu_share(config.num_threads, os.cpu_count())
-        sized = auto_blocks(size, block_size, max_model_len, available_bytes(), share, KV_CAP_BYTES)
+        room, host, cap = available_bytes(), host_share(config.num_threads, os.cpu_count()), KV_CAP_BYTES
+    if config.num_blocks is not None:
+        check_fits(config.num_blocks, size, room, host)
+        return config.num_blocks
+    share = GPU_SHARE if model.device.type == "cuda" else cpu_share(config.num_threads, os.cpu_count())
+    sized = auto_blocks(size, block_size, max_model_len, room, share, cap)
     log.info("KV cache auto -> %s", sized.describe(size, block_size))
     return sized.num_blocks
+
+
+def check_fits(num_blocks: int, block_bytes: int, room: int, share: float) -> None:
+    """ValueError where `num_blocks` blocks of `block_bytes` need more than `share` of `room`
+    bytes (the worker's part of what its host or device has free; 0: unknown, not checked). A
+    cache on the CPU takes its pages as requests fill it, so one that does not fit would start
+    and then fail under load."""
+    need, limit = num_blocks * block_bytes, int(room * min(max(share, 0.0), 1.0))
+    if room and need > limit:
+        gib = 1 << 30
+        raise ValueError(f"num_blocks {num_blocks:,}: a KV cache of {need / gib:,.1f} GiB does not fit the "
+                         f"{limit / gib:,.1f} GiB this worker may take ({share:.2g} of the {room / gib:,.1f} GiB "
+                         "free here); name fewer blocks, or none to size the cache from the memory")  # fmt: skip
 
 
 def auto_blocks(
@@ -85,12 +105,17 @@ def auto_blocks(
     return KVBudget(max(budget // block_bytes, one_context), budget, available, share, cap)
 
 
-def cpu_share(num_threads: int | None, cores: int | None) -> float:
-    """KV_SHARE, in proportion to the host's cores this worker was given (all of them: None);
-    `tandem serve` splits os.cpu_count() (router/server.py)."""
+def host_share(num_threads: int | None, cores: int | None) -> float:
+    """The part of its host a worker takes: its threads over the host's cores (all of them:
+    None); `tandem serve` splits os.cpu_count() (router/server.py)."""
     if not num_threads or not cores:
-        return KV_SHARE
-    return KV_SHARE * min(num_threads / cores, 1.0)
+        return 1.0
+    return min(num_threads / cores, 1.0)
+
+
+def cpu_share(num_threads: int | None, cores: int | None) -> float:
+    """KV_SHARE, in proportion to the host's cores this worker was given (host_share)."""
+    return KV_SHARE * host_share(num_threads, cores)
 
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:

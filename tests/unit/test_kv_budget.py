@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_budget import KV_SHARE, auto_blocks, available_bytes, cpu_share
+from engine.kv_budget import KV_SHARE, auto_blocks, available_bytes, check_fits, cpu_share, host_share
+from engine.model import LlamaModel
 from router import serve_args
+from tests.unit.tiny import make_engine
 
 
 def test_blocks_are_the_share_of_memory_a_block_size_each() -> None:
@@ -33,7 +35,23 @@ def test_bad_sizes_are_refused() -> None:
         auto_blocks(0, 16, 160, 1_000_000, 0.25, None)
 
 
+def test_a_count_named_must_fit_the_workers_part_of_the_memory(tiny_model: LlamaModel) -> None:
+    mib, room = 1 << 20, 8 << 30
+    check_fits(4096, mib, room, 0.5)  # 4 GiB of 4 GiB: fits
+    check_fits(10**12, mib, 0, 0.5)  # the memory unknown: not checked
+    with pytest.raises(ValueError) as e:
+        check_fits(5000, mib, room, 0.5)
+    assert str(e.value) == (
+        "num_blocks 5,000: a KV cache of 4.9 GiB does not fit the 4.0 GiB this worker may take "
+        "(0.5 of the 8.0 GiB free here); name fewer blocks, or none to size the cache from the memory"
+    )
+    with pytest.raises(ValueError, match=r"^num_blocks 1,000,000,000,000: a KV cache of 1,907,348\.6 GiB does not fit"):
+        make_engine(tiny_model, num_blocks=10**12, num_threads=1)  # refused before anything is allocated
+    assert make_engine(tiny_model, num_blocks=64).kv.num_blocks == 64
+
+
 def test_workers_of_a_host_split_its_memory_as_its_cores() -> None:
+    assert (host_share(1, 2), host_share(None, 2), host_share(4, 2), host_share(1, None)) == (0.5, 1.0, 1.0, 1.0)
     assert cpu_share(1, 2) == KV_SHARE / 2
     assert cpu_share(None, 2) == KV_SHARE  # all the cores
     assert cpu_share(4, 2) == KV_SHARE  # never more than all
