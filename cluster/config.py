@@ -37,6 +37,10 @@ class ClusterConfig:
     worker_env: dict[str, str] = field(default_factory=lambda: otel_env(os.environ))
 
     def __post_init__(self) -> None:
+        for role in ("prefill", "decode", "colocated"):
+            n = getattr(self, role)
+            if not isinstance(n, int) or n < 0:
+                raise ValueError(f"{role} must be a number of workers >= 0, got {n!r}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
 

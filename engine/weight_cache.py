@@ -22,6 +22,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.model import LlamaModel
+from engine.model_files import checkpoint_kind
 from engine.native import ops
 from engine.weights import load_checkpoint, load_q4_1_blocks
 
@@ -31,8 +32,9 @@ FORMAT = 1
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The files whose bytes define a checkpoint: a GGUF file, or config.json and the shards."""
-    if path.is_file():
+    """The files whose bytes define a checkpoint: a GGUF file, or config.json and the shards.
+    FileNotFoundError for a path that holds neither (engine/model_files.py)."""
+    if checkpoint_kind(path) == "gguf":
         return [path]
     return [path / "config.json", *sorted(path.glob("*.safetensors"))]
 

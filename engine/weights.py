@@ -19,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.model_files import checkpoint_kind
 from engine.q4_weight import q4_1_rows
 
 Weights = dict[str, torch.Tensor]
@@ -45,11 +46,7 @@ _GGUF_TOP_NAMES = {
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, Weights]:
     """Load a `.gguf` file or a Hugging Face directory (config.json + *.safetensors)."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p)
-    if p.is_dir() and (p / "config.json").exists():
-        return load_hf_dir(p)
-    raise FileNotFoundError(f"{p} is neither a .gguf file nor a directory with config.json")
+    return load_gguf(p) if checkpoint_kind(p) == "gguf" else load_hf_dir(p)
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

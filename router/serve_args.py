@@ -11,12 +11,31 @@ import argparse
 import os
 
 from engine.config import KV_DTYPES, PREFILL_ATTENTION
+from engine.model_files import checkpoint_kind
 from router import autoscale_flags
 
 
 def _port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
+def _model(text: str) -> str:
+    """--model: a path that holds a model (the router reads its tokenizer too), checked before
+    anything starts; "" is the bundled one. A path that holds none used to start the cluster
+    and fail in each worker, 15 s later, as a directory's missing config.json."""
+    if text:
+        try:
+            checkpoint_kind(text)
+        except FileNotFoundError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _workers(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of workers (>= 0)")
     return int(text)
 
 
@@ -32,16 +51,18 @@ def _blocks(text: str) -> int | None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="tandem serve", description=__doc__)
-    ap.add_argument("--model", default=env("TANDEM_MODEL", ""), help="GGUF file or HF dir (default: bundled SmolLM2)")
+    ap.add_argument(
+        "--model", type=_model, default=env("TANDEM_MODEL", ""), help="GGUF file or HF dir (default: bundled SmolLM2)"
+    )
     ap.add_argument("--served-model-name", default="", help="the `model` clients send (default: from the file)")
     ap.add_argument("--host", default=env("TANDEM_HOST", "127.0.0.1"))
     ap.add_argument("--port", type=_port, default=env("TANDEM_PORT", "8000"))  # a str default goes through type
-    ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    ap.add_argument("--decode", type=int, default=1, help="decode workers")
+    ap.add_argument("--prefill", type=_workers, default=1, help="prefill workers")
+    ap.add_argument("--decode", type=_workers, default=1, help="decode workers")
     ap.add_argument(
         "--colocated",
         nargs="?",
-        type=int,
+        type=_workers,
         const=1,
         default=0,
         help="serve with N colocated workers instead of P/D (for comparison)",
@@ -192,4 +213,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-tls-key", default=env("TANDEM_KV_TLS_KEY"), help="PEM private key of --kv-tls-cert")
     ap.add_argument("--kv-tls-ca", default=env("TANDEM_KV_TLS_CA"), help="PEM CA: verify peers (mutual TLS)")
     autoscale_flags.add_arguments(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    joins = args.join or "RAY_ADDRESS" in os.environ or "REDIS_URL" in os.environ  # pools may be there already
+    if not (args.prefill or args.decode or args.colocated or joins):
+        ap.error("no workers to serve with: --prefill and --decode (or --colocated N) must name one at least")
+    return args

@@ -111,6 +111,36 @@ def test_a_bad_block_count_is_a_usage_error(blocks: str, capsys: pytest.CaptureF
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
+        (["--model", "/no/such.gguf"], "argument --model: /no/such.gguf: no such file or directory"),
+        (["--model", str(ROOT / "README.md")], "README.md is neither a .gguf file nor a directory with config.json"),
+        (["--prefill", "-1"], "argument --prefill: '-1' is not a number of workers (>= 0)"),
+        (["--colocated", "two"], "argument --colocated: 'two' is not a number of workers (>= 0)"),
+        (["--prefill", "0", "--decode", "0"], "no workers to serve with: --prefill and --decode (or --colocated N)"),
+    ],
+)
+def test_a_model_or_worker_count_that_cannot_serve_is_a_usage_error(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each used to start Ray: a model path that holds none failed in every worker 15 s later, a
+    negative count in a traceback, none at all waited for workers forever."""
+    for joins in ("RAY_ADDRESS", "REDIS_URL"):
+        monkeypatch.delenv(joins, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--port", str(free_port()), *flags])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_a_cluster_config_refuses_a_negative_pool() -> None:
+    from cluster.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="decode must be a number of workers >= 0, got -1"):
+        ClusterConfig(decode=-1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
         (["--max-prefill-chunk", "-1"], "max_prefill_chunk must be >= 0"),
         (["--max-running", "0"], "--max-running: Input should be greater than or equal to 1"),
         (["--max-attempts", "6"], "--max-attempts: Input should be less than or equal to 5"),
