@@ -58,9 +58,10 @@ class Message(StrictBody):
         c = self.content
         return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
 
-    def as_template_input(self, parallel: bool = True) -> dict[str, str]:
+    def as_template_input(self, parallel: bool) -> dict[str, str]:
         """{role, content} for the chat template; an answer's calls as their JSON (`parallel`: as
-        a request with parallel_tool_calls asks them written)."""
+        a request with parallel_tool_calls asks them written), without any text it also has: the
+        format has no place for both, and an answer of this server's has one or the other."""
         role = "system" if self.role == "developer" else self.role
         if self.tool_calls:
             calls = [(c.function.name, c.function.arguments) for c in self.tool_calls]
@@ -68,7 +69,7 @@ class Message(StrictBody):
         return {"role": role, "content": self.text}
 
 
-def template_messages(messages: list[Message], plan: ToolPlan | None, parallel: bool = True) -> list[dict[str, str]]:
+def template_messages(messages: list[Message], plan: ToolPlan | None, parallel: bool) -> list[dict[str, str]]:
     """`messages` as the chat template reads them, with `plan`'s tools described in the system
     message (the first message's, where it is one; else one put first)."""
     out = [m.as_template_input(parallel) for m in messages]

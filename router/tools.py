@@ -2,9 +2,9 @@
 structured output: the tools are described in a system message, and the answer is held by a
 grammar (engine/grammar.py) to one JSON object that names its calls, so it always parses.
 
-    tool_choice "required", or a named function     {"tool_calls": [{"name": ..., "arguments": {...}}, ...]}
-    tool_choice "auto" (the default with tools)     that, or {"response": "text for the user"}
-    one call (the default, below)                    {"tool_call": {"name": ..., "arguments": {...}}}
+    tool_choice "required", or a named function     {"tool_call": {"name": ..., "arguments": {...}}}
+      ... with parallel_tool_calls true              {"tool_calls": [{"name": ..., "arguments": {...}}, ...]}
+    tool_choice "auto" (the default with tools)     either, or {"response": "text for the user"}
     tool_choice "none"                               plain text; the tools are not described
 
 One call an answer unless the request sends `parallel_tool_calls: true` (OpenAI's default is
