@@ -52,6 +52,15 @@ def threads_per_worker(cores: int, workers: int) -> int:
     return max(1, cores // max(1, workers))
 
 
+def oversubscribed(threads: int, workers: int, cores: int) -> str | None:
+    """What to tell an operator who gave `workers` workers of one host `threads` threads each,
+    more than its `cores` (threads_per_worker's measure of the cost), or None."""
+    if threads * workers <= cores:
+        return None
+    return (f"--threads {threads} x {workers} worker(s) = {threads * workers} threads on this host's {cores} "
+            "cores: their OpenMP threads will contend (leave --threads out to split the cores)")  # fmt: skip
+
+
 def set_team_size(n: int) -> None:
     """This thread's OpenMP team for torch's ops from now on (torch.get_num_threads() reads it, and
     so do the native kernels), leaving torch's process-wide count as it was. torch.set_num_threads

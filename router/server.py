@@ -22,6 +22,7 @@ from router import autoscale_flags, stopping
 from router.port_check import PortUnavailable, check_port_free
 from router.ray_watch import RayWatch, watch_ray
 from router.serve_args import parse
+from router.serve_progress import kv_room, progress
 from router.settings import RouterSettings
 
 if TYPE_CHECKING:
@@ -32,30 +33,6 @@ Tandem is serving {model} at {url}
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 128}}'
 Press Ctrl-C to stop."""
-
-
-def _progress(cluster: Any, done: threading.Event, started: float) -> None:
-    last = ""
-    while not done.wait(1.0):
-        try:
-            ws = cluster.workers()
-        except Exception:
-            continue
-        line = ", ".join(f"{w['worker_id']} {w['role']} {w['state']}" for w in ws) or "starting the pool manager"
-        if line != last:
-            print(f"  [{time.monotonic() - started:5.1f} s] {line}", flush=True)
-            last = line
-
-
-def _kv_room(cluster: Any) -> str:
-    """The ready line's tail: the KV tokens a worker holds (each count seen), from the workers'
-    heartbeats; with --num-blocks auto each sized its cache from its host's memory."""
-    try:
-        blocks = sorted({int(w["num_blocks"]) for w in cluster.workers() if w.get("num_blocks")})
-    except Exception:
-        return ""
-    tokens = " / ".join(f"{n * cluster.config.engine.block_size:,}" for n in blocks)
-    return f", KV for {tokens} tokens a worker" if blocks else ""
 
 
 FLAGS = {"max_running": "--max-running", "max_attempts": "--max-attempts", "queue_timeout_s": "--queue-timeout",
@@ -153,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.cluster import Cluster, ClusterConfig
     from cluster.manager_link import CannotJoinError
     from engine.config import EngineConfig
-    from engine.torch_threads import threads_per_worker
+    from engine.torch_threads import oversubscribed, threads_per_worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = _settings(args)
@@ -162,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads
     if not threads and one_host:
         threads = threads_per_worker(os.cpu_count() or 1, prefill + decode + args.colocated)
+    elif one_host and (crowded := oversubscribed(threads, prefill + decode + args.colocated, os.cpu_count() or 1)):
+        print(f"tandem: {crowded}", flush=True)
     planner = None
     if autoscale is not None:
         from planner.autoscale import Host, fit_bounds
@@ -235,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     watch = _watch_ray(stop)
     code = 0
     try:
-        threading.Thread(target=_progress, args=(cluster, loaded, started), daemon=True).start()
+        threading.Thread(target=progress, args=(cluster, loaded, started), daemon=True).start()
         if cluster.wait_ready(stop=signals.requested):
             loaded.set()
             code = _route(cluster, settings, args, autoscale, planner, started, stop, signals)
@@ -287,7 +266,7 @@ def _route(
         autoscaler.start(autoscale, backend, app.state.dispatcher.window, stop, planner, share)
         print(f"autoscaling within {args.autoscale} every {autoscale.interval_s:g} s (SLO {args.slo})", flush=True)
     url = f"http://{settings.host}:{settings.port}"
-    print(f"ready in {time.monotonic() - started:.1f} s{_kv_room(cluster)}", flush=True)
+    print(f"ready in {time.monotonic() - started:.1f} s{kv_room(cluster)}", flush=True)
     print(EXAMPLE.format(model=backend.model.name, url=url), flush=True)
     server = http_server(app, settings)
     if signals.requested.is_set():  # since the cluster was ready

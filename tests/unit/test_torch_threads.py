@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from engine.torch_threads import on_spent_thread, set_team_size, threads_per_worker
+from engine.torch_threads import on_spent_thread, oversubscribed, set_team_size, threads_per_worker
 
 
 def test_returns_the_result_from_a_thread_that_has_exited() -> None:
@@ -35,6 +35,14 @@ def test_workers_on_one_host_split_its_cores() -> None:
     assert threads_per_worker(16, 3) == 5
     assert threads_per_worker(2, 5) == 1  # never 0
     assert threads_per_worker(8, 0) == 8
+
+
+def test_more_threads_than_the_hosts_cores_are_named() -> None:
+    assert oversubscribed(1, 2, 2) is None and oversubscribed(2, 1, 2) is None  # tandem serve's own splits
+    assert oversubscribed(64, 2, 2) == (
+        "--threads 64 x 2 worker(s) = 128 threads on this host's 2 cores: their OpenMP threads will contend "
+        "(leave --threads out to split the cores)"
+    )
 
 
 def test_a_team_size_set_on_one_thread_stays_on_that_thread() -> None:
