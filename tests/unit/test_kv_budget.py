@@ -36,6 +36,8 @@ def test_bad_sizes_are_refused() -> None:
 
 
 def test_a_count_named_must_fit_the_workers_part_of_the_memory(tiny_model: LlamaModel) -> None:
+    """(An engine sets the process's torch threads from its config first: naming num_threads here
+    left every later test of the session on one thread, CI-102 and CI-103 2-4 minutes slower.)"""
     mib, room = 1 << 20, 8 << 30
     check_fits(4096, mib, room, 0.5)  # 4 GiB of 4 GiB: fits
     check_fits(10**12, mib, 0, 0.5)  # the memory unknown: not checked
@@ -46,7 +48,7 @@ def test_a_count_named_must_fit_the_workers_part_of_the_memory(tiny_model: Llama
         "(0.5 of the 8.0 GiB free here); name fewer blocks, or none to size the cache from the memory"
     )
     with pytest.raises(ValueError, match=r"^num_blocks 1,000,000,000,000: a KV cache of 1,907,348\.6 GiB does not fit"):
-        make_engine(tiny_model, num_blocks=10**12, num_threads=1)  # refused before anything is allocated
+        make_engine(tiny_model, num_blocks=10**12)  # refused before anything is allocated
     assert make_engine(tiny_model, num_blocks=64).kv.num_blocks == 64
 
 
