@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         if model.device != config.torch_device:
             raise ValueError(f"the model is on {model.device}, the engine's config says {config.torch_device}")
         self.model = model
@@ -62,6 +60,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model.config.max_position, model.config.max_position)
         codec = KVCodec.of(config.kv_dtype, model.dtype, model.quantized)
         num_blocks = cache_blocks(model, codec, config, self.max_model_len)  # the config's checked, or sized
+        if config.num_threads:  # (once the config is known to fit: a refused engine changes nothing)
+            torch.set_num_threads(config.num_threads)
         self.config = config = dataclasses.replace(config, num_blocks=num_blocks)  # None sized, as it ran
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         graphed = config.cuda_graphs and model.device.type == "cuda"

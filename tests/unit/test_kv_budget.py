@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.kv_budget import KV_SHARE, auto_blocks, available_bytes, check_fits, cpu_share, host_share
 from engine.model import LlamaModel
@@ -36,7 +37,7 @@ def test_bad_sizes_are_refused() -> None:
 
 
 def test_a_count_named_must_fit_the_workers_part_of_the_memory(tiny_model: LlamaModel) -> None:
-    """(An engine sets the process's torch threads from its config first: naming num_threads here
+    """(An engine it builds sets the process's torch threads from its config: naming num_threads here
     left every later test of the session on one thread, CI-102 and CI-103 2-4 minutes slower.)"""
     mib, room = 1 << 20, 8 << 30
     check_fits(4096, mib, room, 0.5)  # 4 GiB of 4 GiB: fits
@@ -50,6 +51,13 @@ def test_a_count_named_must_fit_the_workers_part_of_the_memory(tiny_model: Llama
     with pytest.raises(ValueError, match=r"^num_blocks 1,000,000,000,000: a KV cache of 1,907,348\.6 GiB does not fit"):
         make_engine(tiny_model, num_blocks=10**12)  # refused before anything is allocated
     assert make_engine(tiny_model, num_blocks=64).kv.num_blocks == 64
+
+
+def test_a_refused_engine_leaves_the_process_torch_threads_as_they_were(tiny_model: LlamaModel) -> None:
+    before = torch.get_num_threads()
+    with pytest.raises(ValueError, match="does not fit"):
+        make_engine(tiny_model, num_blocks=10**12, num_threads=before + 1)
+    assert torch.get_num_threads() == before
 
 
 def test_workers_of_a_host_split_its_memory_as_its_cores() -> None:
