@@ -21,22 +21,7 @@ from engine.attention import AttentionMetadata, PrefillChunk
 from engine.engine import Engine
 from engine.paged_cache import PagedKVCache
 from engine.sampling_params import SamplingParams
-
-NEW_TOKENS = 64
-CHAT = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain recursion to a five-year-old.",
-    "List three prime numbers greater than 100.",
-    "Translate 'good morning' into Spanish and German.",
-]
-RAW = [
-    "The quick brown fox",
-    "def fibonacci(n):\n",
-    "Once upon a time, in a land far away,",
-    "The three laws of thermodynamics are",
-    "1, 1, 2, 3, 5, 8,",
-]
+from tests.integration.reference import CHAT, NEW_TOKENS, RAW, reference_prompts
 
 
 def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
@@ -54,38 +39,32 @@ def our_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     return engine.model.forward(torch.tensor(ids), torch.arange(n), cache, meta, torch.arange(n))
 
 
-@pytest.mark.parametrize("kind,text", [("chat", t) for t in CHAT] + [("raw", t) for t in RAW])
-def test_greedy_and_logits_match_hf(engine_fp32: Engine, hf_model: Any, kind: str, text: str) -> None:
-    tok = engine_fp32.tokenizer
-    assert tok is not None
-    prompt_text = tok.apply_chat_template([{"role": "user", "content": text}]) if kind == "chat" else text
-    prompt = tok.encode(prompt_text)
-    ours = engine_fp32.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))[0]
-    engine_fp32.check_integrity()
-    assert len(ours.token_ids) == NEW_TOKENS
+@pytest.mark.parametrize("index,text", list(enumerate(CHAT + RAW)))
+def test_greedy_and_logits_match_hf(
+    engine_fp32: Engine, hf_model: Any, fp32_greedy: list[list[int]], index: int, text: str
+) -> None:
+    prompt, ours = reference_prompts(engine_fp32)[index], fp32_greedy[index]
+    assert len(ours) == NEW_TOKENS
 
-    ids = prompt + ours.token_ids
+    ids = prompt + ours
     ref_logits = hf_logits(hf_model, ids)
     diff = (our_logits(engine_fp32, ids) - ref_logits).abs().max().item()
     assert diff <= 1e-3, f"teacher-forced logits differ by {diff}"
 
     hf_next = ref_logits[len(prompt) - 1 : len(ids) - 1].argmax(-1).tolist()  # HF's pick after each prefix
-    if hf_next != ours.token_ids:
-        i = next(j for j, (a, b) in enumerate(zip(ours.token_ids, hf_next, strict=True)) if a != b)
+    if hf_next != ours:
+        i = next(j for j, (a, b) in enumerate(zip(ours, hf_next, strict=True)) if a != b)
         top2 = ref_logits[len(prompt) + i - 1].topk(2).values
         gap = (top2[0] - top2[1]).item()
-        print(f"divergence at step {i}: ours {ours.token_ids[i]} vs HF {hf_next[i]}, HF top-2 gap {gap:.2e}")
+        print(f"divergence at step {i}: ours {ours[i]} vs HF {hf_next[i]}, HF top-2 gap {gap:.2e}")
         assert gap < 1e-4, f"greedy output differs at step {i} with a top-2 gap of {gap} (not a near-tie)"
 
 
-def test_batched_real_model_matches_alone(engine_fp32: Engine) -> None:
-    tok = engine_fp32.tokenizer
-    assert tok is not None
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in CHAT] + RAW
+def test_batched_real_model_matches_alone(engine_fp32: Engine, fp32_greedy: list[list[int]]) -> None:
+    """Each reference prompt alone starts as it did in the batch (fp32_greedy)."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    together = engine_fp32.generate(prompts, params)
-    for p, r in zip(prompts, together, strict=True):
-        assert r.token_ids == engine_fp32.generate([p], params)[0].token_ids
+    for p, together in zip(reference_prompts(engine_fp32), fp32_greedy, strict=True):
+        assert engine_fp32.generate([p], params)[0].token_ids == together[:24]
     engine_fp32.check_integrity()
 
 

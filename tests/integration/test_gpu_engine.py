@@ -17,7 +17,7 @@ from engine.engine import Engine
 from engine.kv_budget import GPU_SHARE
 from engine.model_files import default_model_path
 from engine.sampling_params import SamplingParams
-from tests.integration.test_engine_reference import CHAT, RAW
+from tests.integration.reference import CHAT, RAW
 from tests.integration.test_long_context import hf_greedy_gaps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

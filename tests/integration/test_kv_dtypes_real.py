@@ -15,28 +15,15 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.integration.test_engine_reference import CHAT, RAW
+from tests.integration.reference import NEW_TOKENS, reference_prompts
 
-GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 MIN_MEAN_PREFIX = {"bf16": 48.0, "int8": 24.0, "fp8": 20.0}
 
 
-def prompts(engine: Engine) -> list[list[int]]:
-    tok = engine.tokenizer
-    assert tok is not None
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in CHAT]
-    return [tok.encode(t) for t in chats + RAW]
-
-
-@pytest.fixture(scope="module")
-def reference(engine_fp32: Engine) -> list[list[int]]:
-    """The fp32 cache's greedy tokens, once for every coded cache."""
-    return [r.token_ids for r in engine_fp32.generate(prompts(engine_fp32), GREEDY)]
-
-
 @pytest.mark.parametrize("kv_dtype", sorted(MIN_MEAN_PREFIX))
-def test_greedy_agreement_with_an_fp32_cache(engine_fp32: Engine, reference: list[list[int]], kv_dtype: str) -> None:
-    ps = prompts(engine_fp32)
+def test_greedy_agreement_with_an_fp32_cache(engine_fp32: Engine, fp32_greedy: list[list[int]], kv_dtype: str) -> None:
+    ps = reference_prompts(engine_fp32)
     coded = Engine(
         engine_fp32.model, engine_fp32.tokenizer, EngineConfig(dtype="fp32", num_blocks=512, kv_dtype=kv_dtype)
     )
@@ -44,7 +31,7 @@ def test_greedy_agreement_with_an_fp32_cache(engine_fp32: Engine, reference: lis
     coded.check_integrity()
     kept = [
         next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), len(r))
-        for g, r in zip(got, reference, strict=True)
+        for g, r in zip(got, fp32_greedy, strict=True)
     ]
     print(f"{kv_dtype}: tokens kept before divergence {kept}, mean {sum(kept) / len(kept):.1f}")
     assert sum(kept) / len(kept) >= MIN_MEAN_PREFIX[kv_dtype], kept

@@ -15,7 +15,7 @@ import torch
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.integration.test_engine_reference import CHAT, RAW
+from tests.integration.reference import CHAT, RAW
 
 NEW_TOKENS = 16
 
