@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token's logprob under the model and the top-N alternatives, highest first."""
+    """The sampled token's logprob under the model and the top-N alternatives, highest first;
+    `rank`: the token's place in the vocabulary by logprob (1: the likeliest), where scored (a
+    prompt's tokens: vLLM's `prompt_logprobs` report it)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

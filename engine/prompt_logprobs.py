@@ -1,5 +1,5 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`; what a completion with `echo` and `logprobs` answers):
-each prompt token's logprob given the tokens before it, with the top N at its position.
+each prompt token's logprob given the tokens before it and its rank there, with the top N at its position.
 
 Position p's logits score prompt token p + 1, so the prompt's first token has none, and a
 request's `Request.prompt_logprobs` holds positions 1 to n - 1, filled as its chunks run and
@@ -60,9 +60,10 @@ def score(logits: torch.Tensor, rows: Sequence[PromptRows]) -> None:
         logp = torch.log_softmax(logits[lo:hi].float(), dim=-1)  # [S, V]
         chosen = logp.gather(1, torch.tensor(targets[lo:hi], device=device).unsqueeze(1)).squeeze(1)  # [S]
         top_lp, top_ids = logp.topk(n_top, dim=-1) if n_top else (logp[:, :0], logp[:, :0].long())
+        ranks = ((logp > chosen.unsqueeze(1)).sum(dim=1) + 1).tolist()  # ties share the better place
         values, top_values, ids = chosen.tolist(), top_lp.tolist(), top_ids.tolist()
         for j in range(hi - lo):
             req, pos = owners[lo + j]
             n = req.params.prompt_logprobs or 0
             top = tuple(zip(ids[j][:n], top_values[j][:n], strict=True))
-            req.record_prompt_logprob(pos, TokenLogprob(targets[lo + j], values[j], top))
+            req.record_prompt_logprob(pos, TokenLogprob(targets[lo + j], values[j], top, ranks[j]))

@@ -45,6 +45,14 @@ def seeded(params: SamplingParams, i: int) -> SamplingParams:
     return replace(params, seed=(params.seed + i + _SEEDS // 2) % _SEEDS - _SEEDS // 2)
 
 
+def scored(params: SamplingParams, prompt: Prompt, j: int) -> SamplingParams:
+    """Choice j's prompt logprobs: its prompt's first choice computes them for all (they are the
+    same, and a request that asks for them reads no prefix cache), unless it echoes them."""
+    if j == 0 or params.prompt_logprobs is None or (prompt.echo is not None and prompt.echo.logprobs is not None):
+        return params
+    return replace(params, prompt_logprobs=None)
+
+
 def choice_trace(trace: Trace, i: int, prompt_tokens: int) -> Trace:
     """Choice i's Trace: choice 0's is the request's own."""
     if i == 0:
@@ -75,6 +83,7 @@ class Choice:
     run: Run | None = None
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # where asked: its prompt's, with its first output
 
     def tandem(self) -> dict[str, Any]:
         """The `tandem` field of its last chunk: its request id and timing breakdown."""
@@ -90,7 +99,7 @@ class Choices:
         self._prompts = prompts
         self.retry_after_s = d.settings.retry_after_s
         self.choices = [
-            Choice(i * n + j, choice_trace(trace, i * n + j, len(p.ids)), seeded(p.params, j), p, j == 0)
+            Choice(i * n + j, choice_trace(trace, i * n + j, len(p.ids)), scored(seeded(p.params, j), p, j), p, j == 0)
             for i, p in enumerate(prompts)
             for j in range(n)
         ]
@@ -102,7 +111,7 @@ class Choices:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._n = n
+        self.n = n
 
     async def start(self) -> None:
         """Start choice 0 (to its first token), then the rest, which stream as they come. Raises
@@ -113,7 +122,7 @@ class Choices:
         self._tasks = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
 
     async def _pump(self, c: Choice) -> None:
-        prefilled = self._prefilled[c.index // self._n]
+        prefilled = self._prefilled[c.index // self.n]
         try:
             if c.run is None:
                 if not c.first:
@@ -189,6 +198,7 @@ async def whole(
             c = choices.choices[i]
             c.text += out.text
             c.logprobs.extend(out.logprobs)
+            c.prompt_logprobs = c.prompt_logprobs or out.prompt_logprobs
             if out.finished:
                 finishes[i] = out.finish_reason
 
@@ -204,11 +214,15 @@ async def whole(
         return Response(status_code=gone)
     counts, timing = choices.usage(), json.dumps(choices.choices[0].trace.timing(), separators=(",", ":"))
 
+    # a prompt's prompt logprobs, from its first choice
+    prompts = [choices.choices[c.index - c.index % choices.n].prompt_logprobs for c in choices.choices]
+
     def respond() -> JSONResponse:
         each = [(c.text, finishes.get(c.index), shape.logprobs(c.logprobs)) for c in choices.choices]
-        return JSONResponse(shape.whole_choices(each, counts), headers={"x-tandem-timing": timing})
+        return JSONResponse(shape.whole_choices(each, counts, prompts), headers={"x-tandem-timing": timing})
 
-    return await off_loop_if_large(sum(len(c.logprobs) for c in choices.choices), respond)
+    entries = sum(len(c.logprobs) for c in choices.choices) + sum(len(p) for p in prompts)
+    return await off_loop_if_large(entries, respond)
 
 
 async def events(

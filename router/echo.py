@@ -24,21 +24,23 @@ class Echo:
 
     text: str  # the prompt as the client sent it (decoded, where it sent token ids)
     prompt_ids: tuple[int, ...]
-    logprobs: bool
+    logprobs: int | None  # the top N a token, where asked
     answer: bool = True  # False: `max_tokens: 0`, the prompt alone
 
     @classmethod
     def of(cls, text: str, prompt_ids: Sequence[int], logprobs: int | None, max_tokens: int | None) -> Echo:
-        return cls(text, tuple(prompt_ids), logprobs is not None, max_tokens != 0)
+        return cls(text, tuple(prompt_ids), logprobs, max_tokens != 0)
 
     def output(self, out: StreamOutput, first: bool) -> StreamOutput:
         """`out` as the client sees it: the first with the prompt in front; without an answer,
-        emptied of its tokens."""
+        emptied of its tokens. (Its prompt logprobs stay, for a `prompt_logprobs` that asked more.)"""
         lead: tuple[TokenLogprob, ...] = ()
-        if first and self.logprobs:
-            lead = (TokenLogprob(self.prompt_ids[0], UNSCORED, ()), *out.prompt_logprobs)
+        if first and self.logprobs is not None:
+            top = self.logprobs
+            scored = (replace(e, top=e.top[:top]) for e in out.prompt_logprobs)
+            lead = (TokenLogprob(self.prompt_ids[0], UNSCORED, ()), *scored)
         if not self.answer:
-            return replace(out, token_ids=(), text=self.text if first else "", logprobs=lead, prompt_logprobs=())
+            return replace(out, token_ids=(), text=self.text if first else "", logprobs=lead)
         if not first:
             return out
-        return replace(out, text=self.text + out.text, logprobs=lead + out.logprobs, prompt_logprobs=())
+        return replace(out, text=self.text + out.text, logprobs=lead + out.logprobs)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from engine.outputs import TokenLogprob
 from engine.spans import TraceContext
 from engine.tokenizer import Tokenizer
 from router import choices
@@ -121,6 +122,7 @@ async def _serve(
             raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         body.check_supported()
         shape.tools = body.tool_plan if isinstance(body, ChatCompletionRequest) else None
+        shape.prompt_top = None if body.stream else body.prompt_logprobs
         # a short prompt tokenizes in tens of microseconds: less than a hop to a thread and back
         inline = body.prompt_chars <= INLINE_TOKENIZE_CHARS
         prompts = [
@@ -188,6 +190,7 @@ async def _whole(d: Dispatcher, start: Awaitable[Run], shape: Shape, trace: Trac
     """Start the request and collect all of it, both under one watch for the client leaving."""
     texts: list[str] = []
     entries: list[Any] = []
+    prompt: list[TokenLogprob] = []  # its prompt logprobs (with the first output)
     runs: list[Run] = []
 
     async def collect() -> None:
@@ -195,6 +198,7 @@ async def _whole(d: Dispatcher, start: Awaitable[Run], shape: Shape, trace: Trac
         async for out in run.outputs():
             texts.append(out.text)
             entries.extend(out.logprobs)
+            prompt[:] = prompt or out.prompt_logprobs
 
     try:
         done = await _unless_disconnected(request.receive, collect())
@@ -211,10 +215,10 @@ async def _whole(d: Dispatcher, start: Awaitable[Run], shape: Shape, trace: Trac
     counts, timing = usage_of(trace), json.dumps(trace.timing(), separators=(",", ":"))
 
     def respond() -> JSONResponse:
-        body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries))
+        body = shape.whole("".join(texts), trace.finish_reason, counts, shape.logprobs(entries), prompt)
         return JSONResponse(body, headers={"x-tandem-timing": timing})
 
-    return await off_loop_if_large(len(entries), respond)
+    return await off_loop_if_large(len(entries) + len(prompt), respond)
 
 
 async def _unless_gone(receive: Receive, start: Awaitable[Run]) -> Run | None:

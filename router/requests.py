@@ -74,11 +74,12 @@ class _Common(StrictBody):
     guided_choice: list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM's): these end the answer too
     skip_special_tokens: bool = True  # extension (vLLM's): special tokens out of the text
+    prompt_logprobs: int | None = None  # extension (vLLM's): each prompt token's logprob, rank and top N
 
     @property
-    def prompt_logprobs(self) -> int | None:
-        """The top N of the prompt's logprobs to compute (a completion's echo asks for them)."""
-        return None
+    def prompt_scores(self) -> int | None:
+        """The top N of the prompt's logprobs for the engine to compute (a completion's echo asks too)."""
+        return None if self.stream else self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -98,6 +99,11 @@ class _Common(StrictBody):
             raise APIError(400, f"at most {MAX_STOPS} stop sequences (got {len(stops)})", param="stop")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise APIError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:  # -1 (vLLM: all) too
+            why = f"prompt_logprobs must be from 0 to 20 (got {self.prompt_logprobs})"
+            raise APIError(400, why, param="prompt_logprobs")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule, in its words
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
     def sampling(
         self,
@@ -141,7 +147,7 @@ class _Common(StrictBody):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self._bias(model.tokenizer.vocab_size),
             min_tokens=self.min_tokens,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_scores,
             guide=self._guide(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             skip_special_tokens=self.skip_special_tokens,
@@ -258,8 +264,9 @@ class CompletionRequest(_Common):
         return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
     @property
-    def prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+    def prompt_scores(self) -> int | None:
+        return max((n for n in (super().prompt_scores, self.logprobs if self.echo else None) if n is not None),
+                   default=None)  # fmt: skip
 
     @property
     def prompts(self) -> list[str | list[int]]:

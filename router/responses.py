@@ -35,6 +35,7 @@ class Shape:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None  # a chat whose answers are tool calls (router/tools.py)
     held: dict[int, list[str]] = field(default_factory=dict)  # ... streamed: each choice's text, read at its end
+    prompt_top: int | None = None  # vLLM's `prompt_logprobs` asked (a whole answer): its top N
 
     @property
     def object(self) -> str:
@@ -64,6 +65,22 @@ class Shape:
             "text_offset": offsets,
         }
 
+    def prompt_logprobs(self, entries: Sequence[TokenLogprob]) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs` of a prompt, from its tokens' entries (the engine's, 1 to n - 1):
+        null for its first token (nothing predicts it), then for each token {id: {logprob, rank,
+        decoded_token}}, the token's own first and then the top N not already there."""
+
+        def one(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+            return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": self._token(token_id)}
+
+        shaped: list[dict[str, Any] | None] = [None]
+        for e in entries:
+            scores = {str(e.token_id): one(int(e.token_id), e.logprob, e.rank)}
+            for place, (token_id, logprob) in enumerate(e.top[: self.prompt_top or 0], start=1):
+                scores.setdefault(str(token_id), one(int(token_id), logprob, place))
+            shaped.append(scores)
+        return shaped
+
     def _chat_logprob(self, e: TokenLogprob) -> dict[str, Any]:
         def one(token_id: int, logprob: float) -> dict[str, Any]:
             text = self._token(token_id)
@@ -88,15 +105,25 @@ class Shape:
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
     def whole(
-        self, text: str, finish: str | None, usage: dict[str, int], logprobs: dict[str, Any] | None
+        self,
+        text: str,
+        finish: str | None,
+        usage: dict[str, int],
+        logprobs: dict[str, Any] | None,
+        prompt: Sequence[TokenLogprob] = (),
     ) -> dict[str, Any]:
-        return self.whole_choices([(text, finish, logprobs)], usage)
+        return self.whole_choices([(text, finish, logprobs)], usage, [prompt])
 
     def whole_choices(
-        self, choices: Sequence[tuple[str, str | None, dict[str, Any] | None]], usage: dict[str, int]
+        self,
+        choices: Sequence[tuple[str, str | None, dict[str, Any] | None]],
+        usage: dict[str, int],
+        prompts: Sequence[Sequence[TokenLogprob]] = (),
     ) -> dict[str, Any]:
-        """A whole response with a choice for each (text, finish reason, logprobs), in order."""
-        return {
+        """A whole response with a choice for each (text, finish reason, logprobs), in order; where
+        `prompt_top` asks, each choice's prompt logprobs from `prompts` (a chat's: the response's,
+        as vLLM puts them)."""
+        body: dict[str, Any] = {
             "id": self.id,
             "object": self.object,
             "created": self.created,
@@ -104,6 +131,12 @@ class Shape:
             "choices": [self._choice(t, f, lp, delta=False, index=i) for i, (t, f, lp) in enumerate(choices)],
             "usage": usage,
         }
+        if self.prompt_top is not None and self.kind == "chat":
+            body["prompt_logprobs"] = self.prompt_logprobs(prompts[0])
+        elif self.prompt_top is not None:
+            for choice, entries in zip(body["choices"], prompts, strict=True):
+                choice["prompt_logprobs"] = self.prompt_logprobs(entries)
+        return body
 
     def chunk(
         self,

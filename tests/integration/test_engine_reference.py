@@ -104,7 +104,7 @@ def test_penalties_and_logit_bias_match_hf_and_openais_formula(engine_fp32: Engi
 
 
 def test_prompt_logprobs_match_hf(engine_fp32: Engine, hf_model: Any) -> None:
-    """Each prompt token's logprob (and the top 5 there) as HF's log_softmax over its teacher-forced
+    """Each prompt token's logprob (its rank, and the top 5 there) as HF's log_softmax over its teacher-forced
     logits says, for a prompt of several chunks, the prefix cache warm with it."""
     tok = engine_fp32.tokenizer
     assert tok is not None
@@ -116,6 +116,10 @@ def test_prompt_logprobs_match_hf(engine_fp32: Engine, hf_model: Any) -> None:
     assert [lp.token_id for lp in c.prompt_logprobs] == prompt[1:]
     want = ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
     assert torch.tensor([lp.logprob for lp in c.prompt_logprobs]) == pytest.approx(want, abs=1e-3)
+    # each rank: 1 + the tokens HF scores above it, give or take those within 1e-3 of it
+    above = (ref > want.unsqueeze(1) + 1e-3).sum(dim=1) + 1
+    within = (ref >= want.unsqueeze(1) - 1e-3).sum(dim=1)
+    assert all(lo <= lp.rank <= max(lo, hi) for lp, lo, hi in zip(c.prompt_logprobs, above, within, strict=True))
     top = ref.topk(5, dim=-1)
     for p in (0, 511, 512, 1098):  # chunk edges, and the last
         got = c.prompt_logprobs[p].top

@@ -339,6 +339,8 @@ def test_conditional_disaggregation_runs_a_short_prompt_colocated(url: str, mode
     until(lambda: up(url, "colocated") == 1, 180, "a colocated worker")
     scored = {**body, "echo": True, "logprobs": 2, "prompt": "Paris is the capital of a country that " * 8}
     pd_echo = httpx.post(f"{url}/v1/completions", json=scored, timeout=60).json()["choices"][0]
+    vllm_scored = {**body, "prompt": scored["prompt"], "prompt_logprobs": 2}  # vLLM's field, on P/D
+    pd_scores = httpx.post(f"{url}/v1/completions", json=vllm_scored, timeout=60).json()["choices"][0]
     colo = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     timing = json.loads(colo.headers["x-tandem-timing"])
     assert timing["prefill_worker"] == timing["decode_worker"] and timing["transfer_bytes"] == 0, timing
@@ -354,6 +356,14 @@ def test_conditional_disaggregation_runs_a_short_prompt_colocated(url: str, mode
     assert len(pd_lp["tokens"]) - 10 > 32 and pd_lp["tokens"] == colo_lp["tokens"]
     assert pd_lp["token_logprobs"][1:] == pytest.approx(colo_lp["token_logprobs"][1:], abs=1e-3)
     assert all(-30 < v < 0 for v in pd_lp["token_logprobs"][1:]) and all(len(t) == 2 for t in pd_lp["top_logprobs"][1:])
+    # ... and as vLLM's prompt_logprobs, each with its rank: 1 where it is the likeliest
+    n = len(pd_scores["prompt_logprobs"])
+    assert n == len(pd_lp["tokens"]) - 10 and pd_scores["prompt_logprobs"][0] is None
+    echoed = zip(pd_lp["token_logprobs"][1:n], pd_lp["top_logprobs"][1:n], strict=True)
+    for s, (lp, top) in zip(pd_scores["prompt_logprobs"][1:], echoed, strict=True):
+        own = next(iter(s.values()))
+        assert own["logprob"] == pytest.approx(lp, abs=1e-3) and len(s) <= 3
+        assert (own["rank"] == 1) == (own["logprob"] >= max(top.values()) - 1e-4), (own, top)
     long = {**body, "prompt": "The capital of France is a city that " * 8}  # over 32 tokens: P/D
     assert (
         json.loads(httpx.post(f"{url}/v1/completions", json=long, timeout=60).headers["x-tandem-timing"])[

@@ -101,9 +101,12 @@ class FakeBackend:
                 if self.malformed:
                     logprobs = (TokenLogprob("not a token id", 0.0, ()),)  # type: ignore[arg-type]
                 placement, scored = None, ()
-                if i == 0 and params.prompt_logprobs is not None:  # -1.5 each, top N the token itself
-                    n = params.prompt_logprobs
-                    scored = tuple(TokenLogprob(t, -1.5, ((t, -1.5),) * n) for t in prompt_ids[1:])
+                if i == 0 and params.prompt_logprobs is not None:  # -1.5 each, its rank 1; top N: it, then t + k
+                    n, vocab = params.prompt_logprobs, self.tokenizer.vocab_size
+                    scored = tuple(
+                        TokenLogprob(t, -1.5, tuple(((t + k) % vocab, -1.5 - k) for k in range(n)), rank=1)
+                        for t in prompt_ids[1:]
+                    )
                 if i == 0:
                     placement = Placement(
                         str(route.prefill or route.decode), route.decode, 0, 0.001, 0.01, 0.002, 4096, 0.002

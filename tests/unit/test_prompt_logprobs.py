@@ -38,6 +38,9 @@ def assert_close(got: tuple[TokenLogprob, ...], want: list[TokenLogprob]) -> Non
     for g, w in zip(got, want, strict=True):
         assert [t for t, _ in g.top] == [t for t, _ in w.top]
         assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-4)
+        top5 = [t for t, _ in w.top]  # its rank: its place there, or past it
+        assert g.rank is not None
+        assert (g.rank == top5.index(g.token_id) + 1) if g.token_id in top5 else (g.rank > 5)
 
 
 def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, tuple[TokenLogprob, ...]]:
