@@ -32,6 +32,15 @@ def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torc
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf the logits of tokens whose probability is below min_p x the row's likeliest's
+    (vLLM's and HF's min-p). x: [S, V] float32 (temperature applied); min_p: [S] in [0, 1] (0 = off).
+    The likeliest token always survives. Returns a new tensor."""
+    probs = x.softmax(dim=-1)  # [S, V]
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [S, 1]
+    return x.masked_fill(probs < floor, float("-inf"))
+
+
 def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask to -inf the logits outside each row's top-k, then outside its nucleus of mass top_p.
 
@@ -54,8 +63,8 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
 class Sampler:
     """Picks one token per row of a logits batch.
 
-    Greedy rows take the argmax. Sampled rows are scaled by temperature, cut by top-k then
-    top-p, and drawn with the exponential race argmax(probs / q), q ~ Exp(1). A row with a
+    Greedy rows take the argmax. Sampled rows are scaled by temperature, cut by min-p, top-k
+    then top-p (vLLM's order), and drawn with the exponential race argmax(probs / q), q ~ Exp(1). A row with a
     seed draws q from a generator seeded by `row_seed(seed, output_index)`, so its token
     depends only on its own logits, seed and output index; other rows use the global RNG.
     A `penalized` row's logits first go through its bias and penalties (engine/penalties.py),
@@ -126,6 +135,8 @@ class Sampler:
         device = x.device
         temps = _to_device([p.temperature for p in params], torch.float32, device)
         x = x / temps.unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            x = apply_min_p(x, _to_device([p.min_p for p in params], torch.float32, device))
         top_k = top_p = None
         if any(0 < p.top_k < vocab for p in params):
             top_k = _to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)

@@ -15,7 +15,7 @@ MAX_REPETITION_PENALTY = 10.0
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature == 0 means greedy. top_k == 0 means no top-k cut. A `seed` makes the
+    temperature == 0 means greedy. top_k == 0 and min_p == 0 mean no cut. A `seed` makes the
     request's samples reproducible whatever else shares its batch, and identical whether
     the request runs on one engine or is split across a prefill and a decode engine:
     the random stream of output token i depends only on (seed, i).
@@ -36,6 +36,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # vLLM's: a token less likely than min_p x the likeliest's probability is cut
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -72,6 +73,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -53,6 +53,7 @@ class _Common(StrictBody):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # -1 and 0: off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # extension (vLLM's): 0 off
     seed: int | None = Field(default=None, ge=-_I64, lt=2 * _I64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -134,6 +135,7 @@ class _Common(StrictBody):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
+            min_p=self.min_p,
             seed=self.seed,
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,

@@ -117,6 +117,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"model": "fake-model", "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_p": 0}, 400, "top_p"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "min_p": 1.5}, 400, "min_p"),
+    (CHAT, {"model": "fake-model", "messages": HELLO, "min_p": -0.1}, 400, "min_p"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "n": 17}, 400, "n"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "stream": "yes"}, 400, "stream"),
     (CHAT, {"model": "fake-model", "messages": HELLO, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
@@ -219,10 +221,11 @@ def test_metrics_move_with_traffic(backend: FakeBackend) -> None:
     assert sample(after, "tandem:kv_cache_usage_perc", {"worker": "d0"}) == 0.0
 
 
-def test_penalties_and_logit_bias_reach_the_backend_and_null_is_unset(backend: FakeBackend) -> None:
+def test_penalties_logit_bias_and_min_p_reach_the_backend_and_null_is_unset(backend: FakeBackend) -> None:
     c = client(backend)
     body = {"model": "fake-model", "messages": HELLO, "max_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -1,
-            "repetition_penalty": 1.2, "logit_bias": {"42": -100, "7": 2.5}, "min_tokens": 2}  # fmt: skip
+            "repetition_penalty": 1.2, "logit_bias": {"42": -100, "7": 2.5}, "min_tokens": 2,
+            "min_p": 0.05}  # fmt: skip
     assert c.post(CHAT, json=body).status_code == 200
     assert c.post("/v1/completions", json={"model": "fake-model", "prompt": "Hi", "max_tokens": 2}).status_code == 200
     nulls = {"temperature": None, "top_p": None, "presence_penalty": None, "logit_bias": None, "n": None, "stop": None}
@@ -235,6 +238,7 @@ def test_penalties_and_logit_bias_reach_the_backend_and_null_is_unset(backend: F
     assert null == left_out, "null is the default"
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)
     assert got.logit_bias == ((42, -100.0), (7, 2.5)) and got.min_tokens == 2
+    assert (got.min_p, plain.min_p) == (0.05, 0.0)
     assert got.penalized and not plain.penalized
 
 

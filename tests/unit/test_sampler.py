@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplerOutput, apply_top_k_top_p, row_seed
+from engine.sampler import Sampler, SamplerOutput, apply_min_p, apply_top_k_top_p, row_seed
 from engine.sampling_params import SamplingParams
 
 V = 50
@@ -94,6 +94,22 @@ def test_top_p_stays_in_nucleus() -> None:
     assert probs[:2].sum() < 0.9 < probs[:3].sum()
     draws = _draws(logits, SamplingParams(top_p=0.9), 2000)
     assert set(draws) == {0, 1, 2}
+
+
+def test_min_p_cuts_below_its_share_of_the_likeliest_and_comes_before_top_p() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])  # probs ~[.64, .24, .09, .03, .01, .004]
+    assert set(_draws(logits, SamplingParams(min_p=0.1), 2000)) == {0, 1, 2}  # floor .064
+    assert set(_draws(logits, SamplingParams(min_p=1.0), 200)) == {0}  # the likeliest alone
+    assert set(_draws(logits, SamplingParams(min_p=0.1, temperature=3.0), 2000)) == {0, 1, 2, 3, 4, 5}
+    inf = float("-inf")
+    x = torch.tensor([[0.0, 0.0, -5.0], [1.0, 0.0, -1.0]])
+    assert apply_min_p(x, torch.tensor([0.5, 0.0])).tolist() == [[0.0, 0.0, inf], [1.0, 0.0, -1.0]]
+    # vLLM's order: min-p, then the nucleus of what is left. Probs [.5, .3, .1, .06, .04], min_p
+    # 0.15 keeps 0-2 (.56, .33, .11 renormalized), top_p 0.85 then 0-1; the other way round, 0-2.
+    logits = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]).log()
+    assert set(_draws(logits, SamplingParams(min_p=0.15, top_p=0.85), 2000)) == {0, 1}
+    with pytest.raises(Exception, match="min_p must be in"):
+        SamplingParams(min_p=1.5)
 
 
 def test_top_k_then_top_p_masks() -> None:
