@@ -17,7 +17,8 @@ class IncrementalDetokenizer:
     Only a short window of trailing ids is decoded per step (prefix/read offsets), so a step costs
     O(1) in the output length. Text is held back while the window ends in an incomplete UTF-8
     character, and while its end could be the start of a stop string. Once the output contains a
-    stop string, the text is cut just before it, `stop_hit` is set and nothing more is emitted.
+    stop string, the text is cut just before it (after it, `include_stop`), `stop_hit` is set and
+    nothing more is emitted.
 
     Invariant: the concatenation of every `step()` return and `flush()` equals `text`; without a
     stop hit that is `tokenizer.decode(output_ids, skip_special_tokens)`.
@@ -29,9 +30,11 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop  # vLLM's include_stop_str_in_output: cut just after it
         self._stops = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # Window of ids: [0, read_offset) is already emitted (the context), [read_offset, end) is not yet.
@@ -84,7 +87,7 @@ class IncrementalDetokenizer:
         pending = self._held + delta
         hit = self._find_stop(pending) if stops else None
         if hit is not None:
-            pending, self.stop_hit = pending[: hit[0]], hit[1]
+            pending, self.stop_hit = pending[: hit[0] + (len(hit[1]) if self._include_stop else 0)], hit[1]
             keep = 0
         else:
             keep = 0 if final else self._stop_prefix_len(pending)

@@ -42,7 +42,7 @@ class Emitter:
         if self._tokenizer is not None:
             p = req.params
             self._detok[req.request_id] = IncrementalDetokenizer(
-                self._tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens
+                self._tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
             )
 
     def close(self, request_id: str) -> None:

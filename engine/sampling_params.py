@@ -45,6 +45,7 @@ class SamplingParams:
     # vLLM's: the prompt tokens' logprobs with the top N at each position (engine/prompt_logprobs.py)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended it stays in the text
     priority: int = 0
     output_offset: int = 0
     speculate: bool = True  # False: no draft is verified for this request (engine/speculation.py)

@@ -215,8 +215,15 @@ class Tokenizer:
         token: str | None = self._backend.id_to_token(token_id)
         return token
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the checkpoint's chat template, the way Hugging Face does.
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render `messages` with the checkpoint's chat template, the way Hugging Face does;
+        `variables`: more for the template (HF's and vLLM's chat_template_kwargs; the messages,
+        the generation prompt and the special tokens are this method's).
 
         Raises InvalidRequestError(param="messages") for an empty or malformed list, a template that
         rejects the conversation, or a checkpoint without a template.
@@ -230,9 +237,13 @@ class Tokenizer:
             "bos_token": self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
             "eos_token": self.id_to_token(self.eos_token_id) or "",
         }
-        return self._template.render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **special
-        )
+        given = {
+            **(variables or {}),
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            **special,
+        }
+        return self._template.render(**given)
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

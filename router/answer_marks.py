@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from engine.tokenizer import Tokenizer
 
@@ -25,23 +26,30 @@ _PLACEHOLDER = re.compile("\x00answer ([0-9]+)\x00")
 Spans = list[tuple[int, int]]
 
 
-def answer_spans(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], text: str) -> Spans:
+def answer_spans(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], text: str, variables: Mapping[str, Any] | None = None
+) -> Spans:
     """Each assistant message's content in `text` (`messages` through the chat template, with
-    the generation prompt), as sorted character spans [start, end); an answer not found gives none."""
+    the generation prompt and the template `variables`), as sorted character spans [start, end);
+    an answer not found gives none."""
     answers = {i: m["content"] for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"]}
     if not answers:
         return []
-    placed = _by_placeholders(tokenizer, messages, answers, text)
-    return placed if placed is not None else _by_search(tokenizer, messages, answers, text)
+    placed = _by_placeholders(tokenizer, messages, answers, text, variables)
+    return placed if placed is not None else _by_search(tokenizer, messages, answers, text, variables)
 
 
 def _by_placeholders(
-    tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], answers: dict[int, str], text: str
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, str]],
+    answers: dict[int, str],
+    text: str,
+    variables: Mapping[str, Any] | None,
 ) -> Spans | None:
     """The spans, where the template renders each answer as it is; else None."""
     held = [{**m, "content": f"\x00answer {i}\x00"} if i in answers else dict(m) for i, m in enumerate(messages)]
     try:
-        shape = tokenizer.apply_chat_template(held)
+        shape = tokenizer.apply_chat_template(held, True, variables)
     except Exception:  # a template that inspects the content may refuse a placeholder
         return None
     spans: Spans = []
@@ -64,7 +72,11 @@ def _by_placeholders(
 
 
 def _by_search(
-    tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], answers: dict[int, str], text: str
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, str]],
+    answers: dict[int, str],
+    text: str,
+    variables: Mapping[str, Any] | None,
 ) -> Spans:
     marks: Spans = []
     renders = 0
@@ -74,7 +86,7 @@ def _by_search(
         if found >= 0 and text.find(content, found + 1) >= 0 and renders < MAX_RENDERS:
             renders += 1
             try:
-                before = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=False)
+                before = tokenizer.apply_chat_template(messages[:i], False, variables)
                 if text.startswith(before):
                     found = text.find(content, max(at, len(before)))
             except Exception:  # a template that refuses the shorter conversation: the first found

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import jinja2
 from pydantic import model_validator
@@ -80,13 +80,20 @@ def template_messages(messages: list[Message], plan: ToolPlan | None, parallel: 
     return [{"role": "system", "content": plan.system_text}, *out]
 
 
-def render(tokenizer: Tokenizer, messages: Sequence[dict[str, str]], generation_prompt: bool, go_on: bool) -> str:
+def render(
+    tokenizer: Tokenizer,
+    messages: Sequence[dict[str, str]],
+    generation_prompt: bool,
+    go_on: bool,
+    variables: Mapping[str, Any] | None = None,
+) -> str:
     """The prompt: `messages` through the model's chat template, with the generation prompt or
     not; `go_on` (vLLM's continue_final_message): without it, and cut after the final message's
-    text, so the answer goes on from there. InvalidRequestError (400) for what the template
-    refuses or fails on, and for a final message the template does not render as it was sent."""
+    text, so the answer goes on from there; `variables`: vLLM's chat_template_kwargs. InvalidRequestError
+    (400) for what the template refuses or fails on, and for a final message the template does not
+    render as it was sent."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt and not go_on)
+        text = tokenizer.apply_chat_template(messages, generation_prompt and not go_on, variables)
     except InvalidRequestError:
         raise
     except jinja2.TemplateError as e:

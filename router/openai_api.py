@@ -122,7 +122,7 @@ async def _serve(
             raise APIError(404, f"The model `{body.model}` does not exist", param="model", code="model_not_found")
         body.check_supported()
         shape.tools = body.tool_plan if isinstance(body, ChatCompletionRequest) else None
-        shape.prompt_top = None if body.stream else body.prompt_logprobs
+        shape.prompt_top, shape.as_ids = None if body.stream else body.prompt_logprobs, body.return_tokens_as_token_ids
         # a short prompt tokenizes in tens of microseconds: less than a hop to a thread and back
         inline = body.prompt_chars <= INLINE_TOKENIZE_CHARS
         prompts = [

@@ -19,6 +19,7 @@ from router.errors import APIError
 from router.prompt_tokens import PromptTokens, check_fits, encode
 from router.response_format import guide_of
 from router.tools import Tool, ToolChoice, ToolPlan, tool_plan
+from router.vllm_fields import VLLMChatFields, VLLMFields
 
 log = logging.getLogger("tandem.router")
 
@@ -35,7 +36,7 @@ class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Common(StrictBody):
+class _Common(VLLMFields):
     # max_tokens when a request leaves it out and the router sets no default: None = the rest of
     # the context (OpenAI's and vLLM's chat; a 256-token cap here cut 5 of 12 SmolLM2 answers at
     # temperature 1.0 short, with finish_reason "length")
@@ -75,7 +76,6 @@ class _Common(StrictBody):
     guided_choice: list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM's): these end the answer too
     skip_special_tokens: bool = True  # extension (vLLM's): special tokens out of the text
-    prompt_logprobs: int | None = None  # extension (vLLM's): each prompt token's logprob, rank and top N
 
     @property
     def prompt_scores(self) -> int | None:
@@ -93,6 +93,7 @@ class _Common(StrictBody):
 
     def check_supported(self) -> None:
         """Refuse, with a message, what this server does not do (rather than ignore it)."""
+        self.check_vllm_fields(self.stream)
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be from 1 to {MAX_N} (got {self.n})", param="n")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -100,11 +101,6 @@ class _Common(StrictBody):
             raise APIError(400, f"at most {MAX_STOPS} stop sequences (got {len(stops)})", param="stop")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise APIError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:  # -1 (vLLM: all) too
-            why = f"prompt_logprobs must be from 0 to 20 (got {self.prompt_logprobs})"
-            raise APIError(400, why, param="prompt_logprobs")
-        if self.stream and self.prompt_logprobs:  # vLLM's rule, in its words
-            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
     def sampling(
         self,
@@ -153,6 +149,7 @@ class _Common(StrictBody):
             guide=self._guide(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         params.validate_for_vocab(model.tokenizer.vocab_size)  # stop token ids here, not on a worker
         return params
@@ -174,7 +171,7 @@ class _Common(StrictBody):
         return tuple(pairs)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, VLLMChatFields):
     messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -188,6 +185,7 @@ class ChatCompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.refuse_unserved_chat()
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages")
         plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls is True)
@@ -217,9 +215,10 @@ class ChatCompletionRequest(_Common):
         `exact_history`. Raises InvalidRequestError (400) for whatever the template or the
         tokenizer refuses, PromptTooLongError (413) for a text that cannot fit the context."""
         messages = template_messages(self.messages, self._tool_plan, self.parallel_tool_calls is True)
-        text = render(model.tokenizer, messages, self.add_generation_prompt, self.continue_final_message)
+        go_on, variables = self.continue_final_message, self.chat_template_kwargs or {}
+        text = render(model.tokenizer, messages, self.add_generation_prompt, go_on, variables)
         check_fits(model, text, "messages")
-        spans = answer_spans(model.tokenizer, messages, text)
+        spans = answer_spans(model.tokenizer, messages, text, variables)
         if self.continue_final_message:  # the client's text to go on from, not an answer to replay exactly
             spans = [(a, b) for a, b in spans if b < len(text)]
         prompt = encode(model, text, "messages", spans)

@@ -36,13 +36,14 @@ class Shape:
     tools: ToolPlan | None = None  # a chat whose answers are tool calls (router/tools.py)
     held: dict[int, list[str]] = field(default_factory=dict)  # ... streamed: each choice's text, read at its end
     prompt_top: int | None = None  # vLLM's `prompt_logprobs` asked (a whole answer): its top N
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.token_text(token_id)
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.token_text(token_id)
 
     def logprobs(self, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
         """The `logprobs` object of a choice; None when none were asked for."""
@@ -52,9 +53,9 @@ class Shape:
             return {"content": [self._chat_logprob(e) for e in entries]}
         tokens = [self._token(int(e.token_id)) for e in entries]
         offsets = []
-        for t in tokens:
+        for e in entries:  # in the text, whatever names the tokens
             offsets.append(offset)
-            offset += len(t)
+            offset += len(self.tokenizer.token_text(int(e.token_id)))
         # a NaN logprob: an echoed prompt's first token (router/echo.py), null here
         values = [None if math.isnan(e.logprob) else _logprob(e.logprob) for e in entries]
         tops = [{self._token(int(i)): _logprob(lp) for i, lp in e.top} for e in entries]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
@@ -20,7 +21,10 @@ from router.requests import ChatCompletionRequest, CompletionRequest
 from router.settings import RouterSettings
 from router.tools import Tool, ToolChoice
 
-CHAT_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message"}
+CHAT_FIELDS = {
+    "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs",
+}  # fmt: skip
 INLINE_CHARS = 2048  # longer texts (or id lists) are tokenized (decoded) on a thread, off the event loop
 
 
@@ -33,6 +37,7 @@ class TokenizeBody(StrictBody):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(StrictBody):

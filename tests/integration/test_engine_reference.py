@@ -12,6 +12,7 @@ is where HF's greedy answer leaves ours. (HF's loop, a forward a token, took 4-5
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -126,3 +127,19 @@ def test_prompt_logprobs_match_hf(engine_fp32: Engine, hf_model: Any) -> None:
         assert [v for _, v in got] == pytest.approx(top.values[p].tolist(), abs=1e-3)
         near_tie = (top.values[p][:-1] - top.values[p][1:]).abs().min() < 1e-3
         assert near_tie or [t for t, _ in got] == top.indices[p].tolist()
+
+
+def test_a_stop_string_is_cut_or_kept_as_asked(engine_fp32: Engine) -> None:
+    """vLLM's include_stop_str_in_output: the text up to the stop string, then with it."""
+    prompt = reference_prompts(engine_fp32)[0]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (plain,) = engine_fp32.generate([prompt], greedy)
+    stop = plain.text[len(plain.text) // 2 :][:5]  # from the answer's middle
+    at = plain.text.find(stop)
+    cut, kept = (
+        engine_fp32.generate([prompt], dataclasses.replace(greedy, stop=(stop,), include_stop_str_in_output=k))[0]
+        for k in (False, True)
+    )
+    assert (cut.text, cut.finish_reason) == (plain.text[:at], "stop")
+    assert (kept.text, kept.finish_reason, kept.token_ids) == (plain.text[: at + len(stop)], "stop", cut.token_ids)
+    engine_fp32.check_integrity()

@@ -4,6 +4,7 @@ one render with placeholders, whatever the number of turns; a quote of an answer
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer as Backend
@@ -31,9 +32,9 @@ def counted(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     renders: list[int] = []
     render = tok.apply_chat_template
 
-    def counting(msgs: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def counting(msgs: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, variables: Any = None) -> str:
         renders.append(len(msgs))
-        return render(msgs, add_generation_prompt)
+        return render(msgs, add_generation_prompt, variables)
 
     monkeypatch.setattr(tok, "apply_chat_template", counting)
     return renders

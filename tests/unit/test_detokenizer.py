@@ -32,8 +32,9 @@ def stream(
     stop: Sequence[str] = (),
     chunk: int = 1,
     skip_special_tokens: bool = True,
+    include_stop: bool = False,
 ) -> tuple[list[str], IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop=stop, skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop, skip_special_tokens, include_stop)
     pieces = [detok.step(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     pieces.append(detok.flush())
     return pieces, detok
@@ -112,6 +113,14 @@ def test_stop_string_spanning_tokens(tok: Tokenizer) -> None:
     assert detok.stop_hit == "lo wor"
     assert pieces[0] == "Hel"  # "lo" is held back from the first token
     assert "".join(pieces) == detok.text == "Hel"
+
+
+def test_a_stop_string_included_ends_the_text_and_only_the_first(tok: Tokenizer) -> None:
+    """vLLM's include_stop_str_in_output, a stop string across tokens and in one piece."""
+    for chunk in (1, 3):
+        text = "first line\n\nsecond line STOP third STOP"
+        pieces, detok = stream(tok, tok.encode(text), stop=["STOP", "d li"], chunk=chunk, include_stop=True)
+        assert detok.stop_hit == "d li" and "".join(pieces) == detok.text == "first line\n\nsecond li"
 
 
 def test_stop_string_inside_multibyte_text(tok: Tokenizer) -> None:

@@ -306,9 +306,9 @@ def test_a_long_chats_answers_are_marked_without_rendering_its_history_again_for
     renders: list[int] = []
     render = tok.apply_chat_template
 
-    def counted(msgs: Any, add_generation_prompt: bool = True) -> str:
+    def counted(msgs: Any, add_generation_prompt: bool = True, variables: Any = None) -> str:
         renders.append(len(msgs))
-        return render(msgs, add_generation_prompt)
+        return render(msgs, add_generation_prompt, variables)
 
     monkeypatch.setattr(tok, "apply_chat_template", counted)
     c = client(long)

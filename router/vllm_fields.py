@@ -1,0 +1,98 @@
+"""vLLM's request extensions past those router/requests.py reads: the ones served here, and the
+ones refused, with a 400 naming the field, when sent with a value that would change the answer.
+Unknown fields are ignored (router/bodies.py), as OpenAI-compatible servers do; a vLLM field a
+client counts on is not unknown, and ignoring it answered otherwise than asked without a word
+(`min_p` had been).
+
+Served:
+- `prompt_logprobs: N` (0 to 20; not streamed, as in vLLM): each prompt token's logprob, rank and
+  top N (router/responses.py);
+- `include_stop_str_in_output`: the stop string that ended the answer stays in its text;
+- `return_tokens_as_token_ids`: logprobs name each token `token_id:<id>` (what a client with
+  the ids needs where a token's text is not one piece of UTF-8);
+- `chat_template_kwargs` (chats): more variables for the chat template, as vLLM and HF pass them
+  (a template that reads none, as SmolLM2's, renders as without).
+
+Refused unless neutral (`NEUTRAL`: the values that ask for nothing; clients send some of them
+on every request): beam search and its length penalty, `bad_words`, `allowed_token_ids`,
+`truncate_prompt_tokens`, `spaces_between_special_tokens: false`, the guides this server does
+not compile (`guided_grammar`, `structural_tag`, `guided_whitespace_pattern`),
+`logits_processors`, `cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom
+`chat_template`, `documents`, `echo` and `mm_processor_kwargs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.bodies import StrictBody
+from router.errors import APIError
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "guided_grammar": (),
+    "structural_tag": (),
+    "guided_whitespace_pattern": (),
+    "logits_processors": ([],),
+    "cache_salt": (),
+    "vllm_xargs": ({},),
+    "kv_transfer_params": ({},),
+}
+CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "chat_template": (),
+    "documents": ([],),
+    "echo": (False,),
+    "mm_processor_kwargs": ({},),
+}
+
+
+def refuse_set(body: StrictBody, neutral: dict[str, tuple[Any, ...]]) -> None:
+    """APIError (400) for the first field of `neutral` that `body` has with another value."""
+    for name, values in neutral.items():
+        value = getattr(body, name)
+        if value is not None and value not in values:
+            raise APIError(400, f"{name} is not supported by this server (a vLLM extension)", param=name)
+
+
+class VLLMFields(StrictBody):
+    prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top N (router/responses.py)
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: Any = None  # NEUTRAL's: typed as sent, refused unless neutral
+    length_penalty: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+
+    def check_vllm_fields(self, stream: bool) -> None:
+        """APIError (400) for a field refused, or out of its range."""
+        refuse_set(self, NEUTRAL)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:  # -1 (vLLM: all) too
+            why = f"prompt_logprobs must be from 0 to 20 (got {self.prompt_logprobs})"
+            raise APIError(400, why, param="prompt_logprobs")
+        if stream and self.prompt_logprobs:  # vLLM's rule, in its words
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+
+class VLLMChatFields(StrictBody):
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None  # CHAT_NEUTRAL's
+    documents: Any = None
+    echo: Any = None
+    mm_processor_kwargs: Any = None
+
+    def refuse_unserved_chat(self) -> None:
+        refuse_set(self, CHAT_NEUTRAL)

@@ -1,0 +1,82 @@
+"""vLLM's request extensions (router/vllm_fields.py) against the fake backend: the ones served
+(include_stop_str_in_output reaches the engine, return_tokens_as_token_ids names the logprobs'
+tokens, chat_template_kwargs reaches the template) and the ones refused unless neutral."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from router.vllm_fields import CHAT_NEUTRAL, NEUTRAL
+from tests.unit.fake_backend import CHAT, HELLO, FakeBackend, client
+
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture
+def backend(smollm_tokenizer: Tokenizer) -> FakeBackend:
+    return FakeBackend(smollm_tokenizer)
+
+
+def post(backend: FakeBackend, path: str, status: int = 200, **body: Any) -> dict[str, Any]:
+    prompt = {"messages": HELLO} if path == CHAT else {"prompt": "The capital of France is"}
+    r = client(backend).post(path, json={"model": "fake-model", "max_tokens": 2, **prompt, **body})
+    assert r.status_code == status, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_include_stop_str_in_output_reaches_the_engine(backend: FakeBackend) -> None:
+    post(backend, CHAT, stop=["x"], include_stop_str_in_output=True)
+    post(backend, CHAT, stop=["x"])
+    assert [p.include_stop_str_in_output for p in backend.params] == [True, False]
+
+
+def test_tokens_named_by_their_ids(backend: FakeBackend) -> None:
+    ids = backend.text_ids[:2]
+    names = [f"token_id:{t}" for t in ids]
+    lp = post(backend, COMPLETIONS, logprobs=1, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert lp["tokens"] == names and [list(top) for top in lp["top_logprobs"]] == [[n] for n in names]
+    texts = [backend.tokenizer.token_text(t) for t in ids]
+    assert lp["text_offset"] == [0, len(texts[0])], "offsets in the text, whatever names the tokens"
+    chat = post(backend, CHAT, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == names and content[0]["bytes"] == list(names[0].encode())
+    assert content[0]["top_logprobs"][0]["token"] == names[0]
+    plain = post(backend, COMPLETIONS, logprobs=1)["choices"][0]["logprobs"]
+    assert plain["tokens"] == texts
+
+
+def test_chat_template_kwargs_reach_the_template(backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = backend.tokenizer
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    monkeypatch.setattr(tok, "chat_template", template)
+    monkeypatch.setattr(tok, "_template", None)
+    post(backend, CHAT, chat_template_kwargs={"enable_thinking": False, "messages": [], "add_generation_prompt": False})
+    post(backend, CHAT)
+    kw, plain = (tok.decode(p, skip_special_tokens=False) for p in backend.prompts)
+    assert kw.endswith("/no_think<|im_start|>assistant\n"), "the variable read; the messages and prompt the request's"
+    assert plain == kw.replace("/no_think", "")
+    r = client(backend).post("/tokenize", json={"messages": HELLO, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and r.json()["tokens"] == backend.prompts[0]
+
+
+@pytest.mark.parametrize("name", sorted(NEUTRAL))
+def test_a_field_not_served_is_refused_unless_neutral(backend: FakeBackend, name: str) -> None:
+    err = post(backend, COMPLETIONS, 400, **{name: {"asks": "something"}})["error"]
+    assert err["param"] == name and err["message"] == f"{name} is not supported by this server (a vLLM extension)"
+    for neutral in NEUTRAL[name]:
+        post(backend, CHAT, **{name: neutral})
+
+
+def test_chat_fields_not_served_are_refused_on_chats_only(backend: FakeBackend) -> None:
+    for name in CHAT_NEUTRAL:
+        assert post(backend, CHAT, 400, **{name: "x"})["error"]["param"] == name
+    post(backend, CHAT, echo=False, documents=[], chat_template=None)
+    assert post(backend, COMPLETIONS, echo=True)["choices"][0]["text"].startswith("The capital of France is")
