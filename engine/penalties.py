@@ -1,6 +1,7 @@
 """What a request's logit bias and penalties do to its logits before it samples (OpenAI's fields,
 and vLLM's `repetition_penalty`), in this order:
 
+    allowed_token_ids   x[t] = -inf for every t not named (vLLM's; first, as vLLM masks)
     logit_bias          x[t] += bias[t]
     repetition_penalty  for t anywhere in the prompt or the answer so far: x[t] / r if x[t] > 0, else x[t] * r
     frequency_penalty   x[t] -= f * (times t is in the answer so far)
@@ -49,6 +50,10 @@ def apply_penalties(
             raise ValueError(f"penalized row {i} needs the tokens its request has seen (`seen`)")
     dev = x.device
     x = x.clone()
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, device=dev)
+            x[i] = torch.full_like(x[i], -torch.inf).index_copy_(0, allowed, x[i, allowed])
     if any(p.logit_bias for p in params):
         rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
         cols = [t for p in params for t, _ in p.logit_bias]

@@ -56,6 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (none named: any)
     # vLLM's: no stop token, end-of-sequence token or stop string ends the answer before its
     # min_tokens-th token (counting the outputs of earlier runs, as output_offset does)
     min_tokens: int = 0
@@ -106,6 +107,10 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, each biased by -100 to 100", "logit_bias"
             )
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.allowed_token_ids and self.guide is not None:
+            why = "allowed_token_ids cannot be combined with structured output"
+            raise InvalidRequestError(why, "allowed_token_ids")
         object.__setattr__(self, "decoded", tuple((int(a), int(b)) for a, b in self.decoded))
         ends = [x for span in self.decoded for x in span]
         if any(a >= b for a, b in self.decoded) or ends != sorted(ends) or (ends and ends[0] < 0):
@@ -120,7 +125,7 @@ class SamplingParams:
         """Whether its logits change before it samples (engine/penalties.py)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-            or self.min_tokens
+            or self.min_tokens or self.allowed_token_ids
         )  # fmt: skip
 
     def validate_for_vocab(self, vocab_size: int) -> None:
@@ -131,3 +136,8 @@ class SamplingParams:
         for t, _ in self.logit_bias:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise InvalidRequestError(f"logit_bias: unknown token id {t!r} (vocab size {vocab_size})", "logit_bias")
+        for t in self.allowed_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise InvalidRequestError(
+                    f"allowed_token_ids: unknown token id {t!r} (vocab size {vocab_size})", "allowed_token_ids"
+                )

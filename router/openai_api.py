@@ -171,12 +171,13 @@ async def _serve_choices(
 def _echo(
     body: ChatCompletionRequest | CompletionRequest, i: int, ids: Sequence[int], tokenizer: Tokenizer
 ) -> Echo | None:
-    """What a completion with `echo` puts in front of prompt i's answers: the prompt as sent (as text)."""
+    """What a completion with `echo` puts in front of prompt i's answers: its text as sent, or as served."""
     if not isinstance(body, CompletionRequest) or not body.echo:
         return None
     prompt = body.prompts[i]
-    text = prompt if isinstance(prompt, str) else tokenizer.decode(list(ids), skip_special_tokens=False)
-    return Echo.of(text, ids, body.logprobs, body.max_tokens)
+    if not isinstance(prompt, str) or body.truncate_prompt_tokens is not None:  # the ids served
+        prompt = tokenizer.decode(list(ids), skip_special_tokens=False)
+    return Echo.of(prompt, ids, body.logprobs, body.max_tokens)
 
 
 def _failed(d: Dispatcher, trace: Trace, e: Exception) -> JSONResponse:

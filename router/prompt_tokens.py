@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from router.backend import ModelInfo
-from router.errors import REQUEST_ID
+from router.errors import REQUEST_ID, APIError
 
 log = logging.getLogger("tandem.router")
 
@@ -21,6 +21,35 @@ class PromptTokens:
     ids: list[int]
     decoded: tuple[tuple[int, int], ...] = ()  # SamplingParams.decoded
     decoded_as_prompt: bool = False  # SamplingParams.decoded_as_prompt
+
+    def last(self, k: int | None, room: int) -> PromptTokens:
+        """vLLM's truncate_prompt_tokens: its last k tokens (-1: `room`'s worth, what the context
+        leaves beside the answer's max_tokens), the spans of the earlier answers moved with them;
+        None: as it is."""
+        cut = 0 if k is None else max(0, len(self.ids) - (max(room, 1) if k == -1 else k))
+        if not cut:
+            return self
+        spans = tuple((max(a - cut, 0), b - cut) for a, b in self.decoded if b > cut)
+        return replace(self, ids=self.ids[cut:], decoded=spans)
+
+
+def completion_tokens(model: ModelInfo, prompt: str | list[int], truncate: int | None, answer: int) -> PromptTokens:
+    """A completion's prompt (text, or token ids) as token ids, its last `truncate` where given
+    (-1: what leaves room for an `answer` of that many tokens).
+    APIError (400) for ids not of the vocabulary or none; PromptTooLongError (413) for a text
+    that cannot fit the context, untruncated."""
+    if isinstance(prompt, str):
+        if truncate is None:
+            check_fits(model, prompt, "prompt")
+        ids = encode(model, prompt, "prompt").ids
+    else:
+        ids = [int(t) for t in prompt]
+        vocab = model.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return PromptTokens(ids).last(truncate, model.max_model_len - answer)
 
 
 def check_fits(model: ModelInfo, text: str, param: str) -> None:

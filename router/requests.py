@@ -16,7 +16,7 @@ from router.backend import ModelInfo
 from router.bodies import StrictBody
 from router.chat_messages import Message, render, template_messages
 from router.errors import APIError
-from router.prompt_tokens import PromptTokens, check_fits, encode
+from router.prompt_tokens import PromptTokens, check_fits, completion_tokens, encode
 from router.response_format import guide_of
 from router.tools import Tool, ToolChoice, ToolPlan, tool_plan
 from router.vllm_fields import VLLMChatFields, VLLMFields
@@ -150,6 +150,7 @@ class _Common(VLLMFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=tuple(self.allowed_token_ids or ()),
         )
         params.validate_for_vocab(model.tokenizer.vocab_size)  # stop token ids here, not on a worker
         return params
@@ -217,11 +218,13 @@ class ChatCompletionRequest(_Common, VLLMChatFields):
         messages = template_messages(self.messages, self._tool_plan, self.parallel_tool_calls is True)
         go_on, variables = self.continue_final_message, self.chat_template_kwargs or {}
         text = render(model.tokenizer, messages, self.add_generation_prompt, go_on, variables)
-        check_fits(model, text, "messages")
+        if self.truncate_prompt_tokens is None:
+            check_fits(model, text, "messages")
         spans = answer_spans(model.tokenizer, messages, text, variables)
         if self.continue_final_message:  # the client's text to go on from, not an answer to replay exactly
             spans = [(a, b) for a, b in spans if b < len(text)]
-        prompt = encode(model, text, "messages", spans)
+        room = model.max_model_len - (self.max_new or 1)
+        prompt = encode(model, text, "messages", spans).last(self.truncate_prompt_tokens, room)
         return prompt if exact_history or not prompt.decoded else replace(prompt, decoded_as_prompt=True)
 
     @property
@@ -280,18 +283,5 @@ class CompletionRequest(_Common):
         return cast(list[str | list[int]], several)
 
     def prompt_tokens(self, model: ModelInfo) -> list[PromptTokens]:
-        return [self._tokens(model, p) for p in self.prompts]
-
-    @staticmethod
-    def _tokens(model: ModelInfo, p: str | list[int]) -> PromptTokens:
-        if isinstance(p, str):
-            check_fits(model, p, "prompt")
-            ids = encode(model, p, "prompt").ids
-        else:
-            ids = [int(t) for t in p]
-            vocab = model.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return PromptTokens(ids)
+        answer = self.max_tokens or 1  # (none named: the default, within what the prompt leaves)
+        return [completion_tokens(model, p, self.truncate_prompt_tokens, answer) for p in self.prompts]

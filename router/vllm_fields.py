@@ -8,22 +8,28 @@ Served:
 - `prompt_logprobs: N` (0 to 20; not streamed, as in vLLM): each prompt token's logprob, rank and
   top N (router/responses.py);
 - `include_stop_str_in_output`: the stop string that ended the answer stays in its text;
+- `allowed_token_ids`: only these tokens are sampled (engine/penalties.py; not with a guide);
+- `truncate_prompt_tokens: k`: the prompt's last k tokens are served and counted (-1: as many as
+  leave the answer's max_tokens room; vLLM's -1, the context's worth, leaves none) (router/prompt_tokens.py);
+  a text past the context is then tokenized, not refused;
 - `return_tokens_as_token_ids`: logprobs name each token `token_id:<id>` (what a client with
   the ids needs where a token's text is not one piece of UTF-8);
 - `chat_template_kwargs` (chats): more variables for the chat template, as vLLM and HF pass them
   (a template that reads none, as SmolLM2's, renders as without).
 
 Refused unless neutral (`NEUTRAL`: the values that ask for nothing; clients send some of them
-on every request): beam search and its length penalty, `bad_words`, `allowed_token_ids`,
-`truncate_prompt_tokens`, `spaces_between_special_tokens: false`, the guides this server does
-not compile (`guided_grammar`, `structural_tag`, `guided_whitespace_pattern`),
-`logits_processors`, `cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom
-`chat_template`, `documents`, `echo` and `mm_processor_kwargs`.
+on every request): beam search and its length penalty, `bad_words`,
+`spaces_between_special_tokens: false`, the guides this server does not compile
+(`guided_grammar`, `structural_tag`, `guided_whitespace_pattern`), `logits_processors`,
+`cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom `chat_template`,
+`documents`, `echo` and `mm_processor_kwargs`.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import Field
 
 from router.bodies import StrictBody
 from router.errors import APIError
@@ -32,8 +38,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "bad_words": ([],),
-    "allowed_token_ids": (),
-    "truncate_prompt_tokens": (),
     "spaces_between_special_tokens": (True,),
     "guided_grammar": (),
     "structural_tag": (),
@@ -62,12 +66,12 @@ def refuse_set(body: StrictBody, neutral: dict[str, tuple[Any, ...]]) -> None:
 class VLLMFields(StrictBody):
     prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top N (router/responses.py)
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 17)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # 0 refused
     return_tokens_as_token_ids: bool = False
     use_beam_search: Any = None  # NEUTRAL's: typed as sent, refused unless neutral
     length_penalty: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
-    truncate_prompt_tokens: Any = None
     spaces_between_special_tokens: Any = None
     guided_grammar: Any = None
     structural_tag: Any = None
@@ -83,6 +87,8 @@ class VLLMFields(StrictBody):
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:  # -1 (vLLM: all) too
             why = f"prompt_logprobs must be from 0 to 20 (got {self.prompt_logprobs})"
             raise APIError(400, why, param="prompt_logprobs")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
         if stream and self.prompt_logprobs:  # vLLM's rule, in its words
             raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 

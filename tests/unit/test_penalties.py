@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar import Guide
 from engine.penalties import SeenTokens, apply_penalties
 from engine.sampler import Sampler
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -120,3 +121,25 @@ def test_min_tokens_bans_stop_tokens_and_counts_the_answer_of_earlier_runs() -> 
     assert out[0, 5] == out[0, 9] == float("-inf") and out[0].isfinite().sum() == V - 2 and torch.equal(out[1], x[1])
     # a replay carrying 10 outputs of an answer that asked for at least 20, of 24: 14 to go
     assert SamplingParams(max_tokens=14, output_offset=10, min_tokens=20).penalized
+
+
+def test_allowed_token_ids_leave_only_those_to_sample_greedy_or_not() -> None:
+    x = torch.randn(3, V, generator=torch.Generator().manual_seed(7))
+    allowed = (3, 17, 17, 30)  # a repeat is one token
+    seen = [SeenTokens([1], 1), SeenTokens([1], 1), None]
+    greedy = SamplingParams(temperature=0, allowed_token_ids=allowed)
+    sampled = SamplingParams(allowed_token_ids=allowed)
+    out = apply_penalties(x, [greedy, sampled, SamplingParams()], seen)
+    assert out[0].isfinite().nonzero().flatten().tolist() == [3, 17, 30]
+    assert torch.equal(out[0, [3, 17, 30]], x[0, [3, 17, 30]])
+    assert torch.equal(out[2], x[2])
+    best = max((3, 17, 30), key=lambda t: x[0, t].item())
+    assert Sampler()(x[:1], [greedy], [0], seen[:1]).token_ids == [best]
+    draws = Sampler()(x[1:2].expand(300, -1), [sampled] * 300, [0] * 300, [seen[1]] * 300).token_ids
+    assert set(draws) == {3, 17, 30}
+    assert greedy.penalized
+    with pytest.raises(InvalidRequestError, match="unknown token id 40"):
+        SamplingParams(allowed_token_ids=(1, V)).validate_for_vocab(V)
+    with pytest.raises(InvalidRequestError, match="structured output") as e:
+        SamplingParams(allowed_token_ids=(1,), guide=Guide("regex", "a+"))
+    assert e.value.param == "allowed_token_ids"

@@ -80,3 +80,43 @@ def test_chat_fields_not_served_are_refused_on_chats_only(backend: FakeBackend) 
         assert post(backend, CHAT, 400, **{name: "x"})["error"]["param"] == name
     post(backend, CHAT, echo=False, documents=[], chat_template=None)
     assert post(backend, COMPLETIONS, echo=True)["choices"][0]["text"].startswith("The capital of France is")
+
+
+def test_allowed_token_ids_reach_the_engine_checked(backend: FakeBackend) -> None:
+    post(backend, CHAT, allowed_token_ids=[5, 7])
+    assert backend.params[0].allowed_token_ids == (5, 7)
+    for bad, why in (([], "allowed_token_ids"), ([10**7], "allowed_token_ids")):
+        assert post(backend, CHAT, 400, allowed_token_ids=bad)["error"]["param"] == why
+    guided = {"response_format": {"type": "json_object"}}
+    assert post(backend, CHAT, 400, allowed_token_ids=[5], **guided)["error"]["param"] == "allowed_token_ids"
+
+
+def test_truncate_prompt_tokens_serves_and_counts_the_last_k(backend: FakeBackend) -> None:
+    tok = backend.tokenizer
+    ids = tok.encode("one two three four five six seven eight")
+    body = post(backend, COMPLETIONS, prompt=ids, truncate_prompt_tokens=3, echo=True)
+    assert backend.prompts[0] == ids[-3:] and body["usage"]["prompt_tokens"] == 3
+    assert body["choices"][0]["text"].startswith(tok.decode(ids[-3:])), "echo: the prompt as served"
+    long_text = "word " * (backend.model.max_model_len + 10)  # past the context: served truncated, not a 413
+    context = backend.model.max_model_len
+    for max_tokens, served in ((None, context - 1), (8, context - 8)):  # -1: room left for the answer
+        post(backend, COMPLETIONS, prompt=long_text, truncate_prompt_tokens=-1, max_tokens=max_tokens)
+        assert backend.prompts[-1] == tok.encode(long_text)[-served:]
+    err = post(backend, COMPLETIONS, 413, prompt=long_text)["error"]
+    assert err["param"] == "prompt"
+    assert post(backend, CHAT, 400, truncate_prompt_tokens=0)["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_a_truncated_chat_keeps_its_answers_marked(backend: FakeBackend) -> None:
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue, like the sea on a clear day."},
+        {"role": "user", "content": "Another?"},
+    ]
+    client(backend).post(CHAT, json={"messages": messages, "max_tokens": 2})
+    client(backend).post(CHAT, json={"messages": messages, "max_tokens": 2, "truncate_prompt_tokens": 20})
+    (whole, cut) = backend.prompts
+    assert cut == whole[-20:]
+    removed = len(whole) - 20
+    (a, b), (c, d) = backend.params[0].decoded[0], backend.params[1].decoded[0]
+    assert (max(a - removed, 0), b - removed) == (c, d) and cut[c:d] == whole[a:b][-(d - c) :]

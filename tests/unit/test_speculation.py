@@ -67,6 +67,7 @@ SETTINGS = [
     SamplingParams(max_tokens=40, temperature=1.3, top_k=7, seed=5, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=0.6, top_p=0.8, seed=2, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=40, temperature=1.0, min_p=0.1, seed=4, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.9, seed=6, ignore_eos=True, allowed_token_ids=tuple(range(0, 64, 2))),
     # penalties read the answer so far: a drafted position's includes the draft before it
     SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.1),
     SamplingParams(
@@ -85,7 +86,16 @@ SETTINGS = [
 @pytest.mark.parametrize(
     "params",
     SETTINGS,
-    ids=["greedy", "t0.8", "t1.3-k7", "t0.6-p0.8-lp", "t1.0-minp0.1", "greedy-penalized", "t0.8-penalized-lp"],
+    ids=[
+        "greedy",
+        "t0.8",
+        "t1.3-k7",
+        "t0.6-p0.8-lp",
+        "t1.0-minp0.1",
+        "t0.9-allowed",
+        "greedy-penalized",
+        "t0.8-penalized-lp",
+    ],
 )
 def test_speculation_gives_the_tokens_of_no_speculation(
     tiny_model: LlamaModel, params: SamplingParams, drafter: str
