@@ -45,18 +45,20 @@ _XGRAMMAR_SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 @dataclass(frozen=True)
 class Guide:
     """What a guided request's output must be: a JSON object ("json", OpenAI's `json_object`),
-    JSON that a schema accepts ("json_schema"; `spec` is the schema's JSON text), or text that a
+    JSON that a schema accepts ("json_schema"; `spec` is the schema's JSON text), text that a
     regular expression matches whole ("regex"; `spec` is the pattern, xgrammar's dialect, as
-    vLLM's `guided_regex` and `guided_choice`). JSON is written compact, with ", " and ": "
-    between items, as `json.dumps` writes it."""
+    vLLM's `guided_regex` and `guided_choice`), or text a grammar derives ("grammar"; `spec` in
+    xgrammar's EBNF, llama.cpp's GBNF: `root ::= ...`, as vLLM's `guided_grammar`). JSON is
+    written compact, with ", " and ": " between items, as `json.dumps` writes it."""
 
-    kind: Literal["json", "json_schema", "regex"]
+    kind: Literal["json", "json_schema", "regex", "grammar"]
     spec: str = ""
     field: str = "response_format"  # the request's field that asked for it, which an error names
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json", "json_schema", "regex"):
-            raise InvalidRequestError(f"unknown guide {self.kind!r}: json, json_schema or regex", "response_format")
+        if self.kind not in ("json", "json_schema", "regex", "grammar"):
+            why = f"unknown guide {self.kind!r}: json, json_schema, regex or grammar"
+            raise InvalidRequestError(why, "response_format")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"the {self.kind} guide is over {MAX_SPEC_CHARS} characters", "response_format")
         if self.kind == "json_schema":
@@ -107,6 +109,8 @@ class Grammars:
         try:
             if guide.kind == "regex":
                 return compiler.compile_regex(guide.spec)
+            if guide.kind == "grammar":
+                return compiler.compile_grammar(guide.spec)
             schema = guide.spec if guide.kind == "json_schema" else '{"type": "object"}'
             # whitespace only in the separators: a free run of it is where small models loop
             return compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))

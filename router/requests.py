@@ -157,7 +157,8 @@ class _Common(VLLMFields):
 
     def _guide(self) -> Guide | None:
         """What the answer's grammar holds it to (router/response_format.py), if anything."""
-        return guide_of(self.response_format, self.guided_json, self.guided_regex, self.guided_choice)
+        vllm = self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        return guide_of(self.response_format, *vllm)
 
     def _bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; APIError (400) for a key that is not a token id

@@ -14,13 +14,15 @@ Served:
   a text past the context is then tokenized, not refused;
 - `return_tokens_as_token_ids`: logprobs name each token `token_id:<id>` (what a client with
   the ids needs where a token's text is not one piece of UTF-8);
+- `guided_grammar`: the answer is text an EBNF grammar derives (xgrammar's dialect, llama.cpp's
+  GBNF: `root ::= ...`; engine/grammar.py), a guide as `guided_regex` is;
 - `chat_template_kwargs` (chats): more variables for the chat template, as vLLM and HF pass them
   (a template that reads none, as SmolLM2's, renders as without).
 
 Refused unless neutral (`NEUTRAL`: the values that ask for nothing; clients send some of them
 on every request): beam search and its length penalty, `bad_words`,
 `spaces_between_special_tokens: false`, the guides this server does not compile
-(`guided_grammar`, `structural_tag`, `guided_whitespace_pattern`), `logits_processors`,
+(`structural_tag`, `guided_whitespace_pattern`), `logits_processors`,
 `cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom `chat_template`,
 `documents`, `echo` and `mm_processor_kwargs`.
 """
@@ -39,7 +41,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
-    "guided_grammar": (),
     "structural_tag": (),
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),
@@ -68,12 +69,12 @@ class VLLMFields(StrictBody):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 17)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # 0 refused
+    guided_grammar: str | None = None  # router/response_format.py
     return_tokens_as_token_ids: bool = False
     use_beam_search: Any = None  # NEUTRAL's: typed as sent, refused unless neutral
     length_penalty: Any = None
     bad_words: Any = None
     spaces_between_special_tokens: Any = None
-    guided_grammar: Any = None
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
     logits_processors: Any = None

@@ -147,6 +147,20 @@ def test_a_regex_or_a_choice_is_matched_whole(smollm_tokenizer: Tokenizer) -> No
     assert "not closed" in why and ".cc:" not in why and "[" not in why and "\n" not in why, why
 
 
+def test_a_grammar_derives_the_text_and_a_bad_one_is_refused_by_its_field(smollm_tokenizer: Tokenizer) -> None:
+    """vLLM's guided_grammar: random logits spell a sentence of the EBNF grammar (GBNF's syntax)."""
+    tok = smollm_tokenizer
+    grammars = Grammars(tok, tok.vocab_size)
+    ebnf = 'root ::= answer " because " reason "."\nanswer ::= "yes" | "no"\n'
+    ebnf += 'reason ::= [a-z]{1,8} (" " [a-z]{1,8}){0,3}'
+    for seed in (1, 2, 3):
+        text = guided_text(tok, grammars, Guide("grammar", ebnf), SamplingParams(temperature=1.0, seed=seed), seed)
+        assert re.fullmatch(r"(yes|no) because [a-z]{1,8}( [a-z]{1,8}){0,3}\.", text), text
+    with pytest.raises(InvalidRequestError, match="cannot be used") as refused:
+        grammars.matcher(Guide("grammar", "root ::= missing", field="guided_grammar"))
+    assert refused.value.param == "guided_grammar" and 'Rule "missing" is not defined' in str(refused.value)
+
+
 def test_a_draft_is_cut_to_its_grammar_and_each_position_masked_after_it(smollm_tokenizer: Tokenizer) -> None:
     """Speculation (engine/speculation.py): `grammatical` keeps what the grammar allows and
     leaves the matcher where it was; a row after k draft tokens gets the mask of that state."""

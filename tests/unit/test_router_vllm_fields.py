@@ -120,3 +120,12 @@ def test_a_truncated_chat_keeps_its_answers_marked(backend: FakeBackend) -> None
     removed = len(whole) - 20
     (a, b), (c, d) = backend.params[0].decoded[0], backend.params[1].decoded[0]
     assert (max(a - removed, 0), b - removed) == (c, d) and cut[c:d] == whole[a:b][-(d - c) :]
+
+
+def test_guided_grammar_reaches_the_engine_as_a_guide(backend: FakeBackend) -> None:
+    ebnf = 'root ::= "yes" | "no"'
+    post(backend, CHAT, guided_grammar=ebnf)
+    guide = backend.params[0].guide
+    assert guide is not None and (guide.kind, guide.spec, guide.field) == ("grammar", ebnf, "guided_grammar")
+    err = post(backend, CHAT, 400, guided_grammar=ebnf, guided_regex="a+")["error"]
+    assert err["message"].startswith("ask for one of") and "guided_grammar" in err["message"]
