@@ -1,5 +1,5 @@
-"""What a request's logit bias and penalties do to its logits before it samples (OpenAI's fields,
-and vLLM's `repetition_penalty`), in this order:
+"""What a request's logit bias, penalties and bans do to its logits before it samples (OpenAI's
+fields, and vLLM's), in this order:
 
     allowed_token_ids   x[t] = -inf for every t not named (vLLM's; first, as vLLM masks)
     logit_bias          x[t] += bias[t]
@@ -7,6 +7,7 @@ and vLLM's `repetition_penalty`), in this order:
     frequency_penalty   x[t] -= f * (times t is in the answer so far)
     presence_penalty    x[t] -= p if t is in the answer so far
     min_tokens          x[t] = -inf for the stop and end-of-sequence tokens while the answer is shorter
+    bad_words           x[w[-1]] = -inf for each sequence w whose w[:-1] the answer ends with (vLLM's)
 
 The answer so far is every token decoded after the prompt, those of earlier runs that a replay
 carries included (`Request.decode_from`), so a request replayed on another worker, or split over a
@@ -76,12 +77,19 @@ def apply_penalties(
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[at[0]]
         pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[at[0]]
         x[at] -= freq * counts.to(x.dtype) + pres
-    banned = [(i, t) for i, s in enumerate(seen) if s is not None for t in s.banned]
+    banned = [(i, t) for i, (p, s) in enumerate(zip(params, seen, strict=True)) if s is not None
+              for t in (*s.banned, *_completing(p.bad_words, s.token_ids[s.answer_from :]))]  # fmt: skip
     if banned:
         x[
             torch.tensor([i for i, _ in banned], device=dev), torch.tensor([t for _, t in banned], device=dev)
         ] = -torch.inf
     return x
+
+
+def _completing(words: Sequence[Sequence[int]], answer: Sequence[int]) -> list[int]:
+    """The last token of each of `words` that the answer so far ends one token short of."""
+    n = len(answer)
+    return [w[-1] for w in words if len(w) - 1 <= n and list(answer[n - len(w) + 1 :]) == list(w[:-1])]
 
 
 def _distinct(

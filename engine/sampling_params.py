@@ -9,6 +9,8 @@ from engine.grammar import Guide
 
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is work in every step it samples)
 MAX_REPETITION_PENALTY = 10.0
+MAX_BAD_WORDS = 256  # each is work in every step the request samples
+MAX_BAD_WORD_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (none named: any)
+    # vLLM's bad_words, as token ids (router/vllm_fields.py): none of these sequences is completed
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # vLLM's: no stop token, end-of-sequence token or stop string ends the answer before its
     # min_tokens-th token (counting the outputs of earlier runs, as output_offset does)
     min_tokens: int = 0
@@ -111,6 +115,10 @@ class SamplingParams:
         if self.allowed_token_ids and self.guide is not None:
             why = "allowed_token_ids cannot be combined with structured output"
             raise InvalidRequestError(why, "allowed_token_ids")
+        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            why = f"bad_words: at most {MAX_BAD_WORDS}, each of 1 to {MAX_BAD_WORD_TOKENS} tokens"
+            raise InvalidRequestError(why, "bad_words")
         object.__setattr__(self, "decoded", tuple((int(a), int(b)) for a, b in self.decoded))
         ends = [x for span in self.decoded for x in span]
         if any(a >= b for a, b in self.decoded) or ends != sorted(ends) or (ends and ends[0] < 0):
@@ -125,7 +133,7 @@ class SamplingParams:
         """Whether its logits change before it samples (engine/penalties.py)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-            or self.min_tokens or self.allowed_token_ids
+            or self.min_tokens or self.allowed_token_ids or self.bad_words
         )  # fmt: skip
 
     def validate_for_vocab(self, vocab_size: int) -> None:
@@ -136,8 +144,9 @@ class SamplingParams:
         for t, _ in self.logit_bias:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise InvalidRequestError(f"logit_bias: unknown token id {t!r} (vocab size {vocab_size})", "logit_bias")
-        for t in self.allowed_token_ids:
+        for t in [*self.allowed_token_ids, *(t for w in self.bad_words for t in w)]:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise InvalidRequestError(
-                    f"allowed_token_ids: unknown token id {t!r} (vocab size {vocab_size})", "allowed_token_ids"
+                    f"unknown token id {t!r} (vocab size {vocab_size})",
+                    "allowed_token_ids" if t in self.allowed_token_ids else "bad_words",
                 )

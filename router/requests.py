@@ -19,7 +19,7 @@ from router.errors import APIError
 from router.prompt_tokens import PromptTokens, check_fits, completion_tokens, encode
 from router.response_format import guide_of
 from router.tools import Tool, ToolChoice, ToolPlan, tool_plan
-from router.vllm_fields import VLLMChatFields, VLLMFields
+from router.vllm_fields import VLLMChatFields, VLLMFields, bad_word_ids
 
 log = logging.getLogger("tandem.router")
 
@@ -151,6 +151,7 @@ class _Common(VLLMFields):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=tuple(self.allowed_token_ids or ()),
+            bad_words=bad_word_ids(model.tokenizer, self.bad_words),
         )
         params.validate_for_vocab(model.tokenizer.vocab_size)  # stop token ids here, not on a worker
         return params

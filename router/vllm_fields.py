@@ -14,32 +14,35 @@ Served:
   a text past the context is then tokenized, not refused;
 - `return_tokens_as_token_ids`: logprobs name each token `token_id:<id>` (what a client with
   the ids needs where a token's text is not one piece of UTF-8);
+- `bad_words`: no answer goes on to complete one of them (engine/penalties.py; each word's tokens
+  as vLLM reads them, `bad_word_ids`);
 - `guided_grammar`: the answer is text an EBNF grammar derives (xgrammar's dialect, llama.cpp's
   GBNF: `root ::= ...`; engine/grammar.py), a guide as `guided_regex` is;
 - `chat_template_kwargs` (chats): more variables for the chat template, as vLLM and HF pass them
   (a template that reads none, as SmolLM2's, renders as without).
 
 Refused unless neutral (`NEUTRAL`: the values that ask for nothing; clients send some of them
-on every request): beam search and its length penalty, `bad_words`,
-`spaces_between_special_tokens: false`, the guides this server does not compile
-(`structural_tag`, `guided_whitespace_pattern`), `logits_processors`,
-`cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom `chat_template`,
-`documents`, `echo` and `mm_processor_kwargs`.
+on every request): beam search and its length penalty, `spaces_between_special_tokens: false`,
+the guides this server does not compile (`structural_tag`, `guided_whitespace_pattern`),
+`logits_processors`, `cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom
+`chat_template`, `documents`, `echo` and `mm_processor_kwargs`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field
 
+from engine.sampling_params import MAX_BAD_WORDS
+from engine.tokenizer import Tokenizer
 from router.bodies import StrictBody
 from router.errors import APIError
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
     "structural_tag": (),
     "guided_whitespace_pattern": (),
@@ -56,6 +59,19 @@ CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str] | None) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of `bad_words`: each word's tokens as written (its leading spaces stripped),
+    and as a word after a space where that starts with another token and is as long."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words or ():
+        bare = tuple(tokenizer.encode(word.lstrip()))
+        if not bare:
+            raise APIError(400, "bad_words: a word must be more than spaces", param="bad_words")
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        sequences += [bare, spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [bare]
+    return tuple(sequences)
+
+
 def refuse_set(body: StrictBody, neutral: dict[str, tuple[Any, ...]]) -> None:
     """APIError (400) for the first field of `neutral` that `body` has with another value."""
     for name, values in neutral.items():
@@ -70,10 +86,10 @@ class VLLMFields(StrictBody):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 17)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # 0 refused
     guided_grammar: str | None = None  # router/response_format.py
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     return_tokens_as_token_ids: bool = False
     use_beam_search: Any = None  # NEUTRAL's: typed as sent, refused unless neutral
     length_penalty: Any = None
-    bad_words: Any = None
     spaces_between_special_tokens: Any = None
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None

@@ -22,6 +22,7 @@ from engine.attention import AttentionMetadata, PrefillChunk
 from engine.engine import Engine
 from engine.paged_cache import PagedKVCache
 from engine.sampling_params import SamplingParams
+from router.vllm_fields import bad_word_ids
 from tests.integration.reference import CHAT, NEW_TOKENS, RAW, reference_prompts
 
 
@@ -142,4 +143,18 @@ def test_a_stop_string_is_cut_or_kept_as_asked(engine_fp32: Engine) -> None:
     )
     assert (cut.text, cut.finish_reason) == (plain.text[:at], "stop")
     assert (kept.text, kept.finish_reason, kept.token_ids) == (plain.text[: at + len(stop)], "stop", cut.token_ids)
+    engine_fp32.check_integrity()
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(engine_fp32: Engine) -> None:
+    """vLLM's bad_words, tokenized as the router does: the greedy answer's capital is not named."""
+    tok = engine_fp32.tokenizer
+    assert tok is not None
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": CHAT[0]}]))
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (plain,) = engine_fp32.generate([prompt], greedy)
+    assert "Paris" in plain.text
+    banned = dataclasses.replace(greedy, bad_words=bad_word_ids(tok, ["Paris"]))
+    (other,) = engine_fp32.generate([prompt], banned)
+    assert "Paris" not in other.text and other.text[:10] == plain.text[:10], (plain.text, other.text)
     engine_fp32.check_integrity()

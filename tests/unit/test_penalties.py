@@ -143,3 +143,26 @@ def test_allowed_token_ids_leave_only_those_to_sample_greedy_or_not() -> None:
     with pytest.raises(InvalidRequestError, match="structured output") as e:
         SamplingParams(allowed_token_ids=(1,), guide=Guide("regex", "a+"))
     assert e.value.param == "allowed_token_ids"
+
+
+def test_bad_words_ban_the_token_that_would_complete_one_in_the_answer() -> None:
+    x = torch.zeros(1, V)
+    words = ((5,), (7, 9), (3, 3, 4))
+    params = SamplingParams(bad_words=words)
+
+    def banned(prompt: list[int], answer: list[int]) -> list[int]:
+        out = apply_penalties(x, [params], [SeenTokens([*prompt, *answer], len(prompt))])
+        return (~out[0].isfinite()).nonzero().flatten().tolist()
+
+    assert banned([], []) == [5], "a one-token word always"
+    assert banned([7], []) == [5], "the prompt is not the answer"
+    assert banned([1], [2, 7]) == [5, 9]
+    assert banned([1], [3, 3]) == [4, 5] and banned([1], [3]) == [5]
+    assert params.penalized and not SamplingParams(bad_words=()).penalized
+    for bad in ((),), ((1,),) * 257, (tuple(range(65)),):
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(bad_words=bad)
+        assert e.value.param == "bad_words"
+    with pytest.raises(InvalidRequestError, match="unknown token id 40") as e:
+        SamplingParams(bad_words=((1, V),)).validate_for_vocab(V)
+    assert e.value.param == "bad_words"

@@ -129,3 +129,15 @@ def test_guided_grammar_reaches_the_engine_as_a_guide(backend: FakeBackend) -> N
     assert guide is not None and (guide.kind, guide.spec, guide.field) == ("grammar", ebnf, "guided_grammar")
     err = post(backend, CHAT, 400, guided_grammar=ebnf, guided_regex="a+")["error"]
     assert err["message"].startswith("ask for one of") and "guided_grammar" in err["message"]
+
+
+def test_bad_words_reach_the_engine_as_vllm_tokenizes_them(backend: FakeBackend) -> None:
+    tok = backend.tokenizer
+    post(backend, CHAT, bad_words=["Paris", "  hello world"])
+    bare, spaced = tuple(tok.encode("Paris")), tuple(tok.encode(" Paris"))
+    hello, spaced_hello = tuple(tok.encode("hello world")), tuple(tok.encode(" hello world"))
+    want = [bare] + ([spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+    want += [hello] + ([spaced_hello] if spaced_hello[0] != hello[0] and len(spaced_hello) == len(hello) else [])
+    assert backend.params[0].bad_words == tuple(want) and len(want) >= 3, "the spaced forms that differ are added"
+    assert post(backend, CHAT, 400, bad_words=["  "])["error"]["param"] == "bad_words"
+    assert post(backend, CHAT, 400, bad_words=["x"] * 257)["error"]["param"] == "bad_words"

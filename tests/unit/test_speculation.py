@@ -68,6 +68,13 @@ SETTINGS = [
     SamplingParams(max_tokens=40, temperature=0.6, top_p=0.8, seed=2, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=40, temperature=1.0, min_p=0.1, seed=4, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=0.9, seed=6, ignore_eos=True, allowed_token_ids=tuple(range(0, 64, 2))),
+    # one-token words, and pairs a draft can run into: (t, t + 1), (t, t) for even t
+    SamplingParams(
+        max_tokens=40,
+        temperature=0,
+        ignore_eos=True,
+        bad_words=tuple((t,) for t in range(0, 128, 5)) + tuple((t, t + d) for t in range(0, 128, 2) for d in (0, 1)),
+    ),
     # penalties read the answer so far: a drafted position's includes the draft before it
     SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.1),
     SamplingParams(
@@ -93,6 +100,7 @@ SETTINGS = [
         "t0.6-p0.8-lp",
         "t1.0-minp0.1",
         "t0.9-allowed",
+        "greedy-bad-words",
         "greedy-penalized",
         "t0.8-penalized-lp",
     ],
