@@ -7,16 +7,22 @@ hash says which way each of its positions was computed, and a prompt finds only 
 the way it runs them itself: a turn answers alike with its history cached or not, whether its
 earlier answers came marked (a chat through the router: `SamplingParams.decoded`) or not (a
 completions prompt carrying a conversation, or `Cluster.generate` with no spans, which then
-prefill those answers again rather than reuse KV their run would not have computed).
+prefill those answers again rather than reuse KV their run would not have computed). A request
+with a `cache_salt` hashes apart from every other salt's and from none (`_salt`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import xxhash
+
 from engine.sampling_params import SamplingParams
 
 DECODE_ROW = 1 << 30  # above any vocabulary's ids; a key still packs as an int32
+# positions a `cache_salt` reaches: the whole first block (up to this size), and through the chained
+# hash every block after it
+SALTED = 64
 
 
 def decode_from(num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -37,4 +43,16 @@ def cache_keys(token_ids: Sequence[int], num_prompt_tokens: int, params: Samplin
     for a, b in params.decoded:
         for i in range(a, min(b, start, len(keys))):
             keys[i] |= DECODE_ROW
+    if params.cache_salt is not None:
+        _salt(keys, params.cache_salt)
     return keys
+
+
+def _salt(keys: list[int], salt: str) -> None:
+    """vLLM's cache_salt: each of the first SALTED keys becomes a negative int32 drawn from (salt,
+    position, key), so a block of them hashes apart from any unsalted block (keys >= 0) and from
+    another salt's: a tenant's prompts are found in the prefix cache (and its timing, and the
+    index's routing) only by requests with its salt."""
+    seed = xxhash.xxh64_intdigest(salt.encode())
+    for i in range(min(SALTED, len(keys))):
+        keys[i] = -1 - xxhash.xxh64_intdigest(f"{i}:{keys[i]}".encode(), seed=seed) % (2**31 - 1)

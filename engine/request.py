@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from engine.cache_keys import DECODE_ROW, cache_keys, decode_from
+from engine.cache_keys import DECODE_ROW, SALTED, cache_keys, decode_from
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -74,7 +74,10 @@ class Request:
         if not self._keys:
             self._keys = cache_keys(self.token_ids, self.num_prompt_tokens, self.params)
         elif len(self._keys) < len(self.token_ids):  # decoded outputs
-            self._keys += [t | DECODE_ROW for t in self.token_ids[len(self._keys) :]]
+            if self.params.cache_salt is not None and len(self._keys) < SALTED:  # salted too
+                self._keys = cache_keys(self.token_ids, self.num_prompt_tokens, self.params)
+            else:
+                self._keys += [t | DECODE_ROW for t in self.token_ids[len(self._keys) :]]
         return self._keys
 
     def run_from(self, pos: int) -> tuple[bool, int]:

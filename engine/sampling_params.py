@@ -11,6 +11,7 @@ MAX_LOGIT_BIAS = 1024  # tokens one request may bias (each is work in every step
 MAX_REPETITION_PENALTY = 10.0
 MAX_BAD_WORDS = 256  # each is work in every step the request samples
 MAX_BAD_WORD_TOKENS = 64
+MAX_SALT_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (none named: any)
     # vLLM's bad_words, as token ids (router/vllm_fields.py): none of these sequences is completed
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's: the prefix cache finds this request's blocks only for requests with the same salt
+    # (engine/cache_keys.py), and none of theirs without it
+    cache_salt: str | None = None
     # vLLM's: no stop token, end-of-sequence token or stop string ends the answer before its
     # min_tokens-th token (counting the outputs of earlier runs, as output_offset does)
     min_tokens: int = 0
@@ -119,6 +123,8 @@ class SamplingParams:
         if len(self.bad_words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words):
             why = f"bad_words: at most {MAX_BAD_WORDS}, each of 1 to {MAX_BAD_WORD_TOKENS} tokens"
             raise InvalidRequestError(why, "bad_words")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt must be 1 to {MAX_SALT_CHARS} characters", "cache_salt")
         object.__setattr__(self, "decoded", tuple((int(a), int(b)) for a, b in self.decoded))
         ends = [x for span in self.decoded for x in span]
         if any(a >= b for a, b in self.decoded) or ends != sorted(ends) or (ends and ends[0] < 0):

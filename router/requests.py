@@ -152,6 +152,7 @@ class _Common(VLLMFields):
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=tuple(self.allowed_token_ids or ()),
             bad_words=bad_word_ids(model.tokenizer, self.bad_words),
+            cache_salt=self.cache_salt,
         )
         params.validate_for_vocab(model.tokenizer.vocab_size)  # stop token ids here, not on a worker
         return params

@@ -16,6 +16,9 @@ Served:
   the ids needs where a token's text is not one piece of UTF-8);
 - `bad_words`: no answer goes on to complete one of them (engine/penalties.py; each word's tokens
   as vLLM reads them, `bad_word_ids`);
+- `cache_salt`: the prefix cache (its hits, its timing, the router's routing by it) is shared
+  only among requests with the same salt (engine/cache_keys.py), as in vLLM: one tenant cannot
+  learn another's prompts from a cached hit;
 - `guided_grammar`: the answer is text an EBNF grammar derives (xgrammar's dialect, llama.cpp's
   GBNF: `root ::= ...`; engine/grammar.py), a guide as `guided_regex` is;
 - `chat_template_kwargs` (chats): more variables for the chat template, as vLLM and HF pass them
@@ -24,7 +27,7 @@ Served:
 Refused unless neutral (`NEUTRAL`: the values that ask for nothing; clients send some of them
 on every request): beam search and its length penalty, `spaces_between_special_tokens: false`,
 the guides this server does not compile (`structural_tag`, `guided_whitespace_pattern`),
-`logits_processors`, `cache_salt`, `vllm_xargs`, `kv_transfer_params`; on chats a custom
+`logits_processors`, `vllm_xargs`, `kv_transfer_params`; on chats a custom
 `chat_template`, `documents`, `echo` and `mm_processor_kwargs`.
 """
 
@@ -35,7 +38,7 @@ from typing import Any
 
 from pydantic import Field
 
-from engine.sampling_params import MAX_BAD_WORDS
+from engine.sampling_params import MAX_BAD_WORDS, MAX_SALT_CHARS
 from engine.tokenizer import Tokenizer
 from router.bodies import StrictBody
 from router.errors import APIError
@@ -47,7 +50,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "structural_tag": (),
     "guided_whitespace_pattern": (),
     "logits_processors": ([],),
-    "cache_salt": (),
     "vllm_xargs": ({},),
     "kv_transfer_params": ({},),
 }
@@ -87,6 +89,7 @@ class VLLMFields(StrictBody):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # 0 refused
     guided_grammar: str | None = None  # router/response_format.py
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
     return_tokens_as_token_ids: bool = False
     use_beam_search: Any = None  # NEUTRAL's: typed as sent, refused unless neutral
     length_penalty: Any = None
@@ -94,7 +97,6 @@ class VLLMFields(StrictBody):
     structural_tag: Any = None
     guided_whitespace_pattern: Any = None
     logits_processors: Any = None
-    cache_salt: Any = None
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
 

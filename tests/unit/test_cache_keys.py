@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.cache_keys import DECODE_ROW, cache_keys
+from engine.cache_keys import DECODE_ROW, SALTED, cache_keys
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -63,3 +63,30 @@ def test_a_next_turn_reuses_the_answer_only_where_its_prompt_says_a_decode_wrote
         assert out.num_cached_tokens == cached, params
         assert out.token_ids == cold.generate([turn2], params)[0].token_ids
         assert e.kv.num_free_blocks == 64
+
+
+def test_a_salt_keys_the_first_positions_apart_and_grows_alike() -> None:
+    tokens = list(range(1, 81))
+    a, b = replace(GREEDY, cache_salt="tenant-a"), replace(GREEDY, cache_salt="tenant-b")
+    salted = cache_keys(tokens, 80, a)
+    assert all(k < 0 for k in salted[:SALTED]) and salted[SALTED:] == tokens[SALTED:], "int32, apart from unsalted"
+    assert len(set(salted[:SALTED])) == SALTED and salted == cache_keys(tokens, 80, a), "fixed by salt and key"
+    assert cache_keys(tokens, 80, b)[:SALTED] != salted[:SALTED]
+    req = Request("r", [5, 6, 7], a, arrival_seq=0)
+    req.cache_keys()
+    req.token_ids += [8, 9]  # outputs within the salted positions: salted as a fresh computation salts them
+    assert req.cache_keys() == cache_keys(req.token_ids, 3, a) and all(k < 0 for k in req.cache_keys())
+
+
+def test_the_prefix_cache_is_shared_only_within_a_salt(tiny_model: LlamaModel) -> None:
+    """Each prompt run after another: a hit only where both carry the same salt (or both none);
+    the answer the same every time; integrity after each."""
+    prompt = [(7 * i + 2) % 128 for i in range(40)]
+    e = make_engine(tiny_model, num_blocks=64)
+    outs = []
+    for salt in [None, "a", "a", "b", None, "b"]:
+        outs.append(e.generate([prompt], replace(GREEDY, cache_salt=salt))[0])
+        e.check_integrity()
+    assert [o.num_cached_tokens > 0 for o in outs] == [False, False, True, False, True, True]
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert e.kv.num_free_blocks == 64

@@ -141,3 +141,9 @@ def test_bad_words_reach_the_engine_as_vllm_tokenizes_them(backend: FakeBackend)
     assert backend.params[0].bad_words == tuple(want) and len(want) >= 3, "the spaced forms that differ are added"
     assert post(backend, CHAT, 400, bad_words=["  "])["error"]["param"] == "bad_words"
     assert post(backend, CHAT, 400, bad_words=["x"] * 257)["error"]["param"] == "bad_words"
+
+
+def test_a_cache_salt_reaches_the_engine_and_an_empty_one_is_refused(backend: FakeBackend) -> None:
+    post(backend, COMPLETIONS, cache_salt="tenant-7")
+    assert backend.params[0].cache_salt == "tenant-7"
+    assert post(backend, COMPLETIONS, 400, cache_salt="")["error"]["param"] == "cache_salt"
