@@ -219,7 +219,7 @@ class ChatCompletionRequest(_Common, VLLMChatFields):
         `exact_history`. Raises InvalidRequestError (400) for whatever the template or the
         tokenizer refuses, PromptTooLongError (413) for a text that cannot fit the context."""
         messages = template_messages(self.messages, self._tool_plan, self.parallel_tool_calls is True)
-        go_on, variables = self.continue_final_message, self.chat_template_kwargs or {}
+        go_on, variables = self.continue_final_message, self.template_variables
         text = render(model.tokenizer, messages, self.add_generation_prompt, go_on, variables)
         if self.truncate_prompt_tokens is None:
             check_fits(model, text, "messages")

@@ -23,7 +23,7 @@ from router.tools import Tool, ToolChoice
 
 CHAT_FIELDS = {
     "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "documents",
 }  # fmt: skip
 INLINE_CHARS = 2048  # longer texts (or id lists) are tokenized (decoded) on a thread, off the event loop
 
@@ -38,6 +38,7 @@ class TokenizeBody(StrictBody):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class DetokenizeBody(StrictBody):

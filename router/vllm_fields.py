@@ -21,14 +21,14 @@ Served:
   learn another's prompts from a cached hit;
 - `guided_grammar`: the answer is text an EBNF grammar derives (xgrammar's dialect, llama.cpp's
   GBNF: `root ::= ...`; engine/grammar.py), a guide as `guided_regex` is;
-- `chat_template_kwargs` (chats): more variables for the chat template, as vLLM and HF pass them
-  (a template that reads none, as SmolLM2's, renders as without).
+- `chat_template_kwargs` and `documents` (chats): more variables for the chat template, as vLLM
+  and HF pass them (a template that reads none, as SmolLM2's, renders as without).
 
 Refused unless neutral (`NEUTRAL`: the values that ask for nothing; clients send some of them
 on every request): beam search and its length penalty, `spaces_between_special_tokens: false`,
 the guides this server does not compile (`structural_tag`, `guided_whitespace_pattern`),
 `logits_processors`, `vllm_xargs`, `kv_transfer_params`; on chats a custom
-`chat_template`, `documents`, `echo` and `mm_processor_kwargs`.
+`chat_template`, `echo` and `mm_processor_kwargs`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "chat_template": (),
-    "documents": ([],),
     "echo": (False,),
     "mm_processor_kwargs": ({},),
 }
@@ -114,10 +113,16 @@ class VLLMFields(StrictBody):
 
 class VLLMChatFields(StrictBody):
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # the template's `documents`, as vLLM and HF pass them
     chat_template: Any = None  # CHAT_NEUTRAL's
-    documents: Any = None
     echo: Any = None
     mm_processor_kwargs: Any = None
 
     def refuse_unserved_chat(self) -> None:
         refuse_set(self, CHAT_NEUTRAL)
+
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template reads past the messages: `chat_template_kwargs`, and `documents`."""
+        documents = {"documents": self.documents} if self.documents else {}
+        return {**(self.chat_template_kwargs or {}), **documents}

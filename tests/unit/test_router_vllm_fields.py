@@ -49,11 +49,12 @@ def test_tokens_named_by_their_ids(backend: FakeBackend) -> None:
     assert plain["tokens"] == texts
 
 
-def test_chat_template_kwargs_reach_the_template(backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_template_kwargs_and_documents_reach_it(backend: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     tok = backend.tokenizer
     template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+        "{% for d in documents or [] %}[{{ d.title }}]{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     monkeypatch.setattr(tok, "chat_template", template)
@@ -65,6 +66,8 @@ def test_chat_template_kwargs_reach_the_template(backend: FakeBackend, monkeypat
     assert plain == kw.replace("/no_think", "")
     r = client(backend).post("/tokenize", json={"messages": HELLO, "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200 and r.json()["tokens"] == backend.prompts[0]
+    post(backend, CHAT, documents=[{"title": "Doc A", "text": "..."}])  # vLLM's RAG documents
+    assert tok.decode(backend.prompts[-1], skip_special_tokens=False).endswith("[Doc A]<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
