@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 from cluster.outputs import StreamOutput
 from engine.outputs import TokenLogprob
 from engine.tokenizer import Tokenizer
-from router.tools import ToolPlan
+from router.tool_stream import ToolStream
+from router.tools import ToolCall, ToolPlan
 
 # What OpenAI reports for a token of no probability: JSON has no -inf (nor NaN).
 NO_PROBABILITY = -9999.0
@@ -34,7 +35,8 @@ class Shape:
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolPlan | None = None  # a chat whose answers are tool calls (router/tools.py)
-    held: dict[int, list[str]] = field(default_factory=dict)  # ... streamed: each choice's text, read at its end
+    held: dict[int, list[str]] = field(default_factory=dict)  # ... streamed: each choice's text so far
+    reading: dict[int, ToolStream] = field(default_factory=dict)  # ... and its answer read as it comes
     prompt_top: int | None = None  # vLLM's `prompt_logprobs` asked (a whole answer): its top N
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
@@ -228,17 +230,40 @@ def output_chunks(
 def _tool_chunks(
     shape: Shape, plan: ToolPlan, out: StreamOutput, offset: int, include_usage: bool, index: int
 ) -> list[dict[str, Any]]:
-    """A tool-calling choice's chunks for one output: its text is held until the answer ends (only
-    then does its JSON say what it is), its logprobs go as they come (with an empty delta). At the
-    end: the calls, each with its index, or the content; then the finish reason."""
+    """A tool-calling choice's chunks for one output, its answer read as it comes
+    (router/tool_stream.py): the response's text as content, each call's id and name once whole
+    and then its arguments as they grow, logprobs as they come. An answer that does not read as
+    that JSON (cut short before anything could be sent, say) is sent at its end as router/tools.py
+    reads it whole. Then the finish reason: "tool_calls" where calls were made."""
     held = shape.held.setdefault(index, [])
     held.append(out.text)
+    reading = shape.reading.setdefault(index, ToolStream())
+    delta = reading.feed(out.text)
     lp = shape.logprobs(out.logprobs, offset)
-    bodies = [shape.chunk(None, None, lp, include_usage=include_usage, index=index)] if lp else []
-    if out.finished and out.finish_reason:
+    bodies = []
+    if delta.content or lp:
+        bodies.append(shape.chunk(delta.content or None, None, lp, include_usage=include_usage, index=index))
+    if delta.calls:
+        calls = shape.chunk(None, include_usage=include_usage, index=index)
+        calls["choices"][0]["delta"] = {"tool_calls": [_call_delta(i, c, args) for i, c, args in delta.calls]}
+        bodies.append(calls)
+    if not (out.finished and out.finish_reason):
+        return bodies
+    finish: str | None = out.finish_reason
+    if reading.settled or reading.calls or reading.content:
+        finish = "tool_calls" if reading.calls and reading.settled else finish
+    else:  # nothing sent: the whole answer, as a whole response reads it
         answer = plan.answer("".join(held), out.finish_reason)
         last = shape.chunk(answer.content, include_usage=include_usage, index=index)
         if answer.calls:
             last["choices"][0]["delta"] = {"tool_calls": [c.body(i) for i, c in enumerate(answer.calls)]}
-        bodies += [last, shape.chunk(None, answer.finish(out.finish_reason), include_usage=include_usage, index=index)]
-    return bodies
+        bodies.append(last)
+        finish = answer.finish(out.finish_reason)
+    return [*bodies, shape.chunk(None, finish, include_usage=include_usage, index=index)]
+
+
+def _call_delta(index: int, begun: ToolCall | None, arguments: str) -> dict[str, Any]:
+    """One call's part of a delta, as OpenAI streams it: where it begins, its id, type and name."""
+    if begun is not None:
+        return {**begun.body(index), "function": {"name": begun.name, "arguments": arguments}}
+    return {"index": index, "function": {"arguments": arguments}}

@@ -17,6 +17,7 @@ Each call's `arguments` must match its function's `parameters` schema; a named f
 only name allowed. The answer comes back as the message's `tool_calls` (finish_reason
 "tool_calls"), or as its `content` where the model answered with a response. An answer cut
 short (finish_reason "length", a stop string) is not JSON: it comes back as content, as it was.
+Streamed, the answer is read as it is written (router/tool_stream.py).
 
 This is llama.cpp's "generic" tool format. The served model's chat template (SmolLM2's) has no
 tool syntax of its own, and a grammar-held answer needs no per-model parser. A conversation's
@@ -112,14 +113,14 @@ class ToolPlan:
         calls = obj.get("tool_calls", [obj.get("tool_call")])
         if not isinstance(calls, list) or not calls or not all(_is_call(c) for c in calls):
             return ToolAnswer(text)
-        return ToolAnswer(None, tuple(ToolCall(_call_id(), c["name"], json.dumps(c["arguments"])) for c in calls))
+        return ToolAnswer(None, tuple(ToolCall(call_id(), c["name"], json.dumps(c["arguments"])) for c in calls))
 
 
 def _is_call(c: Any) -> bool:
     return isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 

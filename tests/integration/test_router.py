@@ -20,6 +20,7 @@ import openai
 import pytest
 import ray
 import uvicorn
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
@@ -183,7 +184,8 @@ WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "descrip
 
 def test_openai_sdk_tool_calls_through_pd(sdk: openai.OpenAI, model: str) -> None:
     """Tool calling (router/tools.py) as an agent loop drives it through the SDK: the call, whole
-    and streamed alike (the SDK assembles the deltas), its result sent back, the next turn."""
+    and streamed alike (the SDK assembles the deltas, as they are written), its result sent
+    back, the next turn."""
     ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         whole = sdk.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice=choice,
@@ -195,10 +197,18 @@ def test_openai_sdk_tool_calls_through_pd(sdk: openai.OpenAI, model: str) -> Non
         assert set(json.loads(call.function.arguments)) == {"city"}
     stream = sdk.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice="required",
                                          max_tokens=48, temperature=0, stream=True)  # fmt: skip
-    deltas = [ch.choices[0] for ch in stream if ch.choices]
-    (streamed,) = [t for d in deltas for t in d.delta.tool_calls or []]
-    assert streamed.index == 0 and streamed.function is not None and deltas[-1].finish_reason == "tool_calls"
-    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    state, pieces = ChatCompletionStreamState(), 0  # the SDK's own assembly (of router/tool_stream.py's deltas)
+    for chunk in stream:
+        state.handle_chunk(chunk)
+        pieces += sum(len(ch.delta.tool_calls or ()) for ch in chunk.choices)
+    assert pieces >= 2, "the call came in pieces, as it was written"
+    final = state.get_final_completion().choices[0]
+    (streamed,) = final.message.tool_calls or []
+    assert final.finish_reason == "tool_calls" and streamed.type == "function"
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == (
+        call.function.name,
+        json.loads(call.function.arguments),
+    )
     turn = [*ask, c.message.model_dump(exclude_none=True),
             {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "cloudy", "celsius": 18}'}]  # fmt: skip
     after = sdk.chat.completions.create(model=model, messages=turn, tools=[WEATHER], tool_choice="none",

@@ -137,18 +137,67 @@ def test_the_tools_are_described_in_the_system_message(backend: FakeBackend) -> 
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
-def test_a_streamed_call_comes_whole_at_the_end_with_its_index(smollm_tokenizer: Tokenizer) -> None:
+def streamed(chunks: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """A streamed choice's content, and its calls put together from their deltas (OpenAI's way:
+    a call's first delta has its id, type and name; the rest, pieces of its arguments)."""
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    calls: list[dict[str, Any]] = []
+    for c in chunks:
+        for d in c["delta"].get("tool_calls", []):
+            if "id" in d:
+                assert d["index"] == len(calls) and d["type"] == "function"
+                calls.append({"id": d["id"], "name": d["function"]["name"], "arguments": d["function"]["arguments"]})
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return content, calls
+
+
+def test_streamed_calls_come_as_they_are_written(smollm_tokenizer: Tokenizer) -> None:
     backend = FakeBackend(smollm_tokenizer, answer=TWO)
     body = {"messages": HELLO, "tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": True,
             "stream": True, "max_tokens": 64, "logprobs": True}  # fmt: skip
     r = client(backend).post(CHAT, json=body)
     chunks = [e["choices"][0] for e in events(r.text)]
     assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
-    assert all(c["delta"] == {} and c["logprobs"] for c in chunks[1:-2])  # each token's logprobs, no text
-    assert len(chunks) - 3 == len(backend.text_ids)
-    calls = chunks[-2]["delta"]["tool_calls"]
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    content, calls = streamed(chunks[1:])
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    argument_deltas = [c for c in chunks if "tool_calls" in c["delta"]]
+    assert len(argument_deltas) > 4, "the arguments come in pieces, as written"
+    first_call = next(i for i, c in enumerate(chunks) if "tool_calls" in c["delta"])
+    assert first_call < len(chunks) // 2, "the first call begins well before the answer ends"
+    assert sum(len(c["logprobs"]["content"]) for c in chunks if c.get("logprobs")) == len(backend.text_ids)
     assert chunks[-1]["finish_reason"] == "tool_calls" and chunks[-1]["delta"] == {}
+
+
+def test_a_streamed_response_is_content_as_it_is_written(smollm_tokenizer: Tokenizer) -> None:
+    text = r"Hello \"there\", caf\u00e9 \ud83d\ude00 \\ done"
+    backend = FakeBackend(smollm_tokenizer, answer='{"response": "' + text + '"}')
+    r = client(backend).post(CHAT, json={"messages": HELLO, "tools": [WEATHER], "stream": True, "max_tokens": 64})
+    chunks = [e["choices"][0] for e in events(r.text)]
+    content, calls = streamed(chunks[1:])
+    assert content == json.loads('"' + text + '"') and calls == []
+    assert len([c for c in chunks if c["delta"].get("content")]) > 4, "in pieces, as written"
+    assert chunks[-1]["finish_reason"] == "stop"
+    whole = client(backend).post(CHAT, json={"messages": HELLO, "tools": [WEATHER], "max_tokens": 64}).json()
+    assert whole["choices"][0]["message"]["content"] == content
+
+
+def test_a_streamed_answer_cut_short_ends_on_length(smollm_tokenizer: Tokenizer) -> None:
+    backend = FakeBackend(smollm_tokenizer, answer=CALL)
+    cut = len(smollm_tokenizer.encode(CALL)) - 4  # inside the arguments
+    r = client(backend).post(CHAT, json={"messages": HELLO, "tools": [WEATHER], "stream": True, "max_tokens": cut})
+    chunks = [e["choices"][0] for e in events(r.text)]
+    content, calls = streamed(chunks[1:])
+    assert chunks[-1]["finish_reason"] == "length" and content == ""
+    assert [c["name"] for c in calls] == ["get_weather"] and '{"city": "Paris"}'.startswith(calls[0]["arguments"])
+    r = client(backend).post(CHAT, json={"messages": HELLO, "tools": [WEATHER], "stream": True, "max_tokens": 2})
+    chunks = [e["choices"][0] for e in events(r.text)]
+    assert streamed(chunks[1:])[0] == backend.tokenizer.decode(backend.text_ids[:2]), "nothing read: the text"
 
 
 def test_each_of_n_choices_is_read_alone(backend: FakeBackend) -> None:
