@@ -197,11 +197,9 @@ def test_openai_sdk_tool_calls_through_pd(sdk: openai.OpenAI, model: str) -> Non
         assert set(json.loads(call.function.arguments)) == {"city"}
     stream = sdk.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice="required",
                                          max_tokens=48, temperature=0, stream=True)  # fmt: skip
-    state, pieces = ChatCompletionStreamState(), 0  # the SDK's own assembly (of router/tool_stream.py's deltas)
-    for chunk in stream:
+    state = ChatCompletionStreamState()  # the SDK's own assembly (of router/tool_stream.py's deltas)
+    for chunk in stream:  # (how many pieces depends on how many tokens each step sends)
         state.handle_chunk(chunk)
-        pieces += sum(len(ch.delta.tool_calls or ()) for ch in chunk.choices)
-    assert pieces >= 2, "the call came in pieces, as it was written"
     final = state.get_final_completion().choices[0]
     (streamed,) = final.message.tool_calls or []
     assert final.finish_reason == "tool_calls" and streamed.type == "function"
