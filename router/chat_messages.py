@@ -89,9 +89,9 @@ def render(
 ) -> str:
     """The prompt: `messages` through the model's chat template, with the generation prompt or
     not; `go_on` (vLLM's continue_final_message): without it, and cut after the final message's
-    text, so the answer goes on from there; `variables`: vLLM's chat_template_kwargs. InvalidRequestError
-    (400) for what the template refuses or fails on, and for a final message the template does not
-    render as it was sent."""
+    text, so the answer goes on from there; `variables`: more for the template (vLLM's
+    chat_template_kwargs and documents). InvalidRequestError (400) for what the template refuses
+    or fails on, and for a final message the template does not render as it was sent."""
     try:
         text = tokenizer.apply_chat_template(messages, generation_prompt and not go_on, variables)
     except InvalidRequestError:
